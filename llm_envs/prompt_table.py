@@ -1,0 +1,92 @@
+"""The prompt ids of a collected batch, stored once per group (prompt), not per step."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PromptTable"]
+
+
+class PromptTable:
+    """Maps a group id to the token ids of its prompt (1-D int64), plus its text and metadata.
+
+    A collected batch carries one under ``keys.PROMPTS`` (as non-tensor data) holding the prompts
+    of the trajectories in that batch, so the full sequence of a trajectory is
+    ``cat(table.ids(group_id), response actions)`` and is never stored per step.
+
+    Example:
+        >>> table = PromptTable()
+        >>> table.add(7, torch.tensor([5, 6, 7]), text="hi", metadata={"answer": "3"})
+        >>> tokens, lengths = table.left_padded(torch.tensor([7, 7]), pad_id=0)
+        >>> tokens.tolist(), lengths.tolist()
+        ([[5, 6, 7], [5, 6, 7]], [3, 3])
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[int, torch.Tensor] = {}
+        self._text: dict[int, str] = {}
+        self._meta: dict[int, dict] = {}
+
+    def add(self, group_id: int, ids: torch.Tensor, *, text: str = "", metadata: dict | None = None) -> None:
+        """Record the prompt of ``group_id`` (later calls for the same id are ignored)."""
+        gid = int(group_id)
+        if gid not in self._ids:
+            self._ids[gid] = ids
+            self._text[gid] = text
+            self._meta[gid] = metadata or {}
+
+    def __contains__(self, group_id: int) -> bool:
+        return int(group_id) in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def group_ids(self) -> list[int]:
+        """The group ids held, in insertion order."""
+        return list(self._ids)
+
+    def _lookup(self, group_id: int, store: dict):
+        gid = int(group_id)
+        if gid not in store:
+            raise KeyError(f"group id {gid} is not in this PromptTable (it holds {len(store)} groups)")
+        return store[gid]
+
+    def ids(self, group_id: int) -> torch.Tensor:
+        """Token ids of the prompt of ``group_id``."""
+        return self._lookup(group_id, self._ids)
+
+    def text(self, group_id: int) -> str:
+        """Text of the prompt of ``group_id`` (after the chat template, if any)."""
+        return self._lookup(group_id, self._text)
+
+    def metadata(self, group_id: int) -> dict:
+        """Metadata of the prompt of ``group_id`` (e.g. the reference answer)."""
+        return self._lookup(group_id, self._meta)
+
+    def subset(self, group_ids) -> PromptTable:
+        """A new table with only ``group_ids`` (shares the tensors)."""
+        out = PromptTable()
+        for gid in dict.fromkeys(int(g) for g in torch.as_tensor(group_ids).reshape(-1).tolist()):
+            out.add(gid, self.ids(gid), text=self.text(gid), metadata=self.metadata(gid))
+        return out
+
+    def merge(self, other: PromptTable) -> PromptTable:
+        """Add every prompt of ``other`` to this table and return it."""
+        for gid in other.group_ids():
+            self.add(gid, other.ids(gid), text=other.text(gid), metadata=other.metadata(gid))
+        return self
+
+    def left_padded(self, group_ids: torch.Tensor, *, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts of ``group_ids`` (N,) left-padded to (N, P) with ``pad_id``, and their lengths (N,)."""
+        group_ids = torch.as_tensor(group_ids).reshape(-1)
+        rows = [self.ids(g) for g in group_ids.tolist()]
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+        width = int(lengths.max()) if len(rows) else 0
+        out = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+        for i, row in enumerate(rows):  # one copy per sequence, never per step
+            if len(row):
+                out[i, width - len(row) :] = row
+        return out, lengths
+
+    def __repr__(self) -> str:
+        return f"PromptTable(groups={len(self)})"

@@ -1,0 +1,196 @@
+"""Prompt sources: strings, chat messages, token ids, iterables or a ``datasets.Dataset``, tokenized once."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+__all__ = ["Prompt", "PromptSource"]
+
+_PROMPT_FIELDS = ("prompt", "messages", "question", "input_ids")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One prompt as a slot receives it.
+
+    Attributes:
+        ids: int64 token ids (1-D).
+        text: the prompt text (after the chat template, if any).
+        metadata: everything else the item carried (e.g. ``{"answer": "19"}``), for the reward function.
+        index: position of the item in its source (stable across epochs).
+        group_id: increasing id of this draw of the item; its ``group_size`` samples share it.
+        sample_id: index of the sample within its group, ``0 .. group_size - 1``.
+    """
+
+    ids: torch.Tensor
+    text: str
+    metadata: dict
+    index: int
+    group_id: int
+    sample_id: int
+
+
+class PromptSource:
+    """Turns user prompts into :class:`Prompt` objects, ``group_size`` samples per prompt, in a seeded order.
+
+    Items may be a string, a list of chat messages (``[{"role": ..., "content": ...}]``, the
+    tokenizer's chat template is applied), a list or tensor of token ids, or a mapping with one of
+    the fields ``prompt`` / ``messages`` / ``question`` / ``input_ids`` (the other fields become
+    metadata). A sized source (list, ``datasets.Dataset``) is replayed for ``epochs`` epochs
+    (``None``: forever), shuffled per epoch when ``shuffle``; any other iterable is read once.
+
+    Args:
+        prompts: the items.
+        tokenizer: a transformers tokenizer.
+        group_size: samples per prompt (GRPO's G).
+        shuffle: shuffle a sized source each epoch with ``seed``.
+        seed: seed of the shuffle.
+        epochs: passes over a sized source; ``None`` repeats forever.
+
+    Example:
+        >>> from tokengym.llm_envs.testing import tiny_tokenizer
+        >>> src = PromptSource([{"prompt": "1+1=", "answer": "2"}], tiny_tokenizer(), group_size=2, epochs=1)
+        >>> [(p.text, p.group_id, p.sample_id, p.metadata) for p in src]
+        [('1+1=', 0, 0, {'answer': '2'}), ('1+1=', 0, 1, {'answer': '2'})]
+    """
+
+    def __init__(
+        self,
+        prompts: Iterable,
+        tokenizer,
+        *,
+        group_size: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        epochs: int | None = None,
+    ) -> None:
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Iterable):
+            raise TypeError(
+                f"prompts must be an iterable of prompts (a list of strings, say), got {type(prompts).__name__}"
+            )
+        if not isinstance(group_size, int) or group_size <= 0:
+            raise ValueError(f"group_size must be a positive int (samples per prompt), got {group_size!r}")
+        if epochs is not None and (not isinstance(epochs, int) or epochs <= 0):
+            raise ValueError(f"epochs must be a positive int or None (repeat forever), got {epochs!r}")
+        self.is_sized = hasattr(prompts, "__len__") and hasattr(prompts, "__getitem__")
+        if self.is_sized and len(prompts) == 0:
+            raise ValueError("prompts is empty: give at least one prompt")
+        self.prompts, self.tokenizer, self.group_size = prompts, tokenizer, group_size
+        self.shuffle, self.seed, self.epochs = shuffle, seed, epochs
+        self._iter: Iterator | None = None if self.is_sized else iter(prompts)
+        self._epoch, self._pos, self._sample, self._group = 0, 0, 0, 0
+        self._order: list[int] | None = None
+        self._current: tuple[int, torch.Tensor, str, dict] | None = None
+        self.is_exhausted = False
+
+    # -- order and state --
+    def _epoch_order(self) -> list[int]:
+        n = len(self.prompts)
+        if not self.shuffle:
+            return list(range(n))
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + self._epoch)
+        return torch.randperm(n, generator=gen).tolist()
+
+    def _next_item(self) -> tuple[int, object] | None:
+        if not self.is_sized:
+            try:
+                item = next(self._iter)
+            except StopIteration:
+                return None
+            self._pos += 1
+            return self._pos - 1, item
+        if self._pos >= len(self.prompts):
+            self._epoch, self._pos, self._order = self._epoch + 1, 0, None
+        if self.epochs is not None and self._epoch >= self.epochs:
+            return None
+        if self._order is None:
+            self._order = self._epoch_order()
+        index = self._order[self._pos]
+        self._pos += 1
+        return index, self.prompts[index]
+
+    def __iter__(self) -> Iterator[Prompt]:
+        while (prompt := self.next()) is not None:
+            yield prompt
+
+    def next(self) -> Prompt | None:
+        """The next prompt sample, or ``None`` once the source is exhausted."""
+        if self._current is None or self._sample >= self.group_size:
+            nxt = self._next_item()
+            if nxt is None:
+                self.is_exhausted = True
+                return None
+            index, item = nxt
+            ids, text, meta = self.encode(item, index)
+            self._current, self._sample = (index, ids, text, meta), 0
+            self._group += 1
+        index, ids, text, meta = self._current
+        self._sample += 1
+        return Prompt(ids, text, meta, index, self._group - 1, self._sample - 1)
+
+    def state_dict(self) -> dict:
+        """Cursor of the source; restoring it replays the same prompts (iterables are re-read and skipped)."""
+        return {"epoch": self._epoch, "pos": self._pos, "sample": self._sample, "group": self._group}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore a cursor from :meth:`state_dict`."""
+        self._epoch, self._sample, self._group = state["epoch"], state["sample"], state["group"]
+        self._order, self._current, self.is_exhausted = None, None, False
+        if self.is_sized:
+            self._pos = state["pos"]
+            if self._sample:  # re-encode the group in progress
+                self._pos -= 1
+                index, item = self._next_item()
+                self._current = (index, *self.encode(item, index))
+            return
+        self._iter, self._pos = iter(self.prompts), 0
+        for _ in range(state["pos"] - (1 if self._sample else 0)):
+            self._next_item()
+        if self._sample:
+            index, item = self._next_item()
+            self._current = (index, *self.encode(item, index))
+
+    # -- encoding --
+    def encode(self, item, index: int) -> tuple[torch.Tensor, str, dict]:
+        """Token ids, text and metadata of one item; raises ``ValueError`` for an empty prompt."""
+        meta: dict = {}
+        if isinstance(item, Mapping):
+            field = next((f for f in _PROMPT_FIELDS if f in item), None)
+            if field is None:
+                raise KeyError(
+                    f"prompt item {index} is a mapping without a prompt field: it has keys "
+                    f"{sorted(item)}; give one of {_PROMPT_FIELDS}"
+                )
+            meta = {k: v for k, v in item.items() if k != field}
+            item = item[field]
+        ids, text = self._tokenize(item, index)
+        if ids.numel() == 0:
+            raise ValueError(f"prompt item {index} is empty ({item!r}): every prompt needs at least one token")
+        return ids, text, meta
+
+    def _tokenize(self, item, index: int) -> tuple[torch.Tensor, str]:
+        tok = self.tokenizer
+        if isinstance(item, str):
+            ids = tok(item, add_special_tokens=False)["input_ids"]
+            return torch.tensor(ids, dtype=torch.int64), item
+        if isinstance(item, torch.Tensor):
+            item = item.reshape(-1).tolist()
+        if isinstance(item, Sequence) and all(isinstance(m, Mapping) for m in item) and len(item):
+            if getattr(tok, "chat_template", None) is None:
+                raise ValueError(
+                    f"prompt item {index} is a chat message list but the tokenizer has no chat_template; "
+                    "set tokenizer.chat_template or pass plain strings"
+                )
+            text = tok.apply_chat_template(list(item), tokenize=False, add_generation_prompt=True)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            return torch.tensor(ids, dtype=torch.int64), text
+        if isinstance(item, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            ids = torch.tensor(list(item), dtype=torch.int64)
+            return ids, tok.decode(ids) if len(ids) else ""
+        raise TypeError(
+            f"prompt item {index} has type {type(item).__name__} ({item!r:.60}); expected a string, "
+            "a list of chat messages, a list of token ids or a mapping with a 'prompt' field"
+        )

@@ -1,0 +1,7 @@
+"""tokengym: TensorDict-native token-level environments, collectors and transforms for RL on LLMs."""
+
+from tokengym.llm_envs import *  # noqa: F401,F403
+from tokengym.llm_envs import __all__ as _envs_all
+
+__version__ = "0.1.0"
+__all__ = [*_envs_all]
