@@ -6,7 +6,7 @@ setup(
     name="tokengym",
     version="0.1.0",
     description="TensorDict-native token-level environments and collectors for RL on language models",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=["tokengym", "tokengym.llm_envs", "tokengym.transforms", "tokengym.collectors"],
     package_dir={
         "tokengym": "tokengym",

@@ -76,6 +76,8 @@ KL = "kl"
 # -- written by the collector --
 MASK = ("collector", "mask")
 PROMPTS = ("collector", "prompts")
+VERSION_START = ("collector", "version_start")  # int64 (N, T) policy version of the trajectory's first token
+VERSION_END = ("collector", "version_end")  # int64 (N, T) policy version of its last token
 
 # -- sequence-level (padded) layout, batch (N,) over sequences, L positions --
 TOKENS = "tokens"  # int64 (N, L) left-padded prompt + right-padded response

@@ -1,0 +1,100 @@
+"""Preallocated storage for collected steps: fixed-step batches (B, T) or per-slot trajectories."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from tokengym.llm_envs import keys
+
+STEP_ROOT = (*keys.OBSERVATION_KEYS, keys.ACTION, keys.ACTION_LOG_PROB, keys.POLICY_VERSION, keys.RAW_LOG_PROB)
+STEP_NEXT = (*keys.OBSERVATION_KEYS, "reward", "done", "terminated", "truncated")
+
+
+def flat_step(td, nxt) -> dict:
+    """The tensors of one step (B, ...) keyed by flat names (``"next.reward"``): O(1) in length."""
+    out = {k: td.get(k) for k in STEP_ROOT if k in td.keys()}
+    out.update({f"next.{k}": nxt.get(k) for k in STEP_NEXT})
+    return out
+
+
+def to_tensordict(flat: dict, batch_size) -> TensorDict:
+    """Nest dotted names back into keys: ``"next.reward"`` -> ``("next", "reward")``."""
+    out = TensorDict({}, batch_size)
+    for name, value in flat.items():
+        out.set(tuple(name.split(".")) if "." in name else name, value)
+    return out
+
+
+class StepRecorder:
+    """Fills (B, T) buffers one step (or one chunk of steps) at a time."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.t, self.buf = steps, 0, None
+
+    def write(self, flat: dict) -> None:
+        """Write a chunk of steps: each tensor is (B, k, ...) with k <= free columns."""
+        if self.buf is None:
+            self.buf = {
+                k: v.new_empty(v.shape[0], self.steps, *v.shape[2:]) for k, v in flat.items()
+            }
+        k = next(iter(flat.values())).shape[1]
+        for name, v in flat.items():
+            self.buf[name][:, self.t : self.t + k] = v
+        self.t += k
+
+    @property
+    def free(self) -> int:
+        return self.steps - self.t
+
+    def pop(self) -> dict:
+        buf, self.buf, self.t = self.buf, None, 0
+        return buf
+
+
+class TrajectoryRecorder:
+    """Keeps each slot's current trajectory in (B, T_max) rows; finished ones are copied out once."""
+
+    def __init__(self, max_steps: int) -> None:
+        self.max_steps, self.buf = max_steps, None
+        self.finished: list[tuple[dict, int]] = []  # (row tensors (T_max, ...), length)
+
+    def write(self, flat: dict) -> None:
+        """Write one step (B, ...) at each active slot's response position; copy out finished rows."""
+        if self.buf is None:
+            self.buf = {k: v.new_zeros(v.shape[0], self.max_steps, *v.shape[1:]) for k, v in flat.items()}
+        rows = flat[keys.ACTIVE].nonzero().squeeze(-1)
+        if len(rows) == 0:
+            return
+        cols = flat[keys.RESPONSE_LEN][rows]
+        for name, v in flat.items():
+            self.buf[name][rows, cols] = v[rows]
+        done = flat["next.done"].reshape(-1)[rows]
+        for b, n in zip(rows[done].tolist(), (cols[done] + 1).tolist(), strict=True):
+            self.finished.append(({k: v[b].clone() for k, v in self.buf.items()}, n))
+
+    def write_rows(self, flat: dict) -> None:
+        """Add whole trajectories (rows of (B, T, ...)), e.g. a generate-then-unroll wave."""
+        lengths = flat[keys.ACTIVE].sum(1)
+        for b in (lengths > 0).nonzero().squeeze(-1).tolist():
+            self.finished.append(({k: v[b] for k, v in flat.items()}, int(lengths[b])))
+
+    def pop(self, n: int) -> dict:
+        """Right-padded (n, T) tensors of the first ``n`` finished trajectories, plus the mask."""
+        take, self.finished = self.finished[:n], self.finished[n:]
+        width = max(length for _, length in take)
+        out = {}
+        for name in take[0][0]:
+            rows = [row[name][:width] for row, _ in take]
+            padded = [torch.cat([r, r.new_zeros(width - len(r), *r.shape[1:])]) if len(r) < width else r for r in rows]
+            out[name] = torch.stack(padded)
+        lengths = torch.tensor([length for _, length in take])
+        out["collector.mask"] = torch.arange(width)[None, :] < lengths[:, None]
+        return out
+
+    def state_dict(self) -> dict:
+        return {"buf": None if self.buf is None else {k: v.clone() for k, v in self.buf.items()},
+                "finished": list(self.finished)}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buf, self.finished = state["buf"], list(state["finished"])

@@ -1,0 +1,195 @@
+"""TransformersPolicy: a transformers causal LM stepping a TokenEnv one token at a time, with a KV cache per slot."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from tokengym.collectors.kv_cache import SlotKVCache
+from tokengym.collectors.sampling import SamplingConfig, sample_tokens
+from tokengym.llm_envs import keys
+
+__all__ = ["TransformersPolicy"]
+
+
+def _base_env(env):
+    return getattr(env, "base_env", env)
+
+
+class TransformersPolicy(TensorDictModuleBase):
+    """Chooses the next token of every slot of a :class:`~tokengym.llm_envs.TokenEnv`.
+
+    The prompt of a slot is prefilled once, when its trajectory id changes (the env refilled it);
+    every later step is one incremental forward of the whole batch over the cache. Tokens the env
+    inserts (multi-turn feedback) are prefilled when ``seq_len`` jumps; the model's own tokens are
+    never re-tokenized or re-run.
+
+    Args:
+        model: a transformers causal LM (``use_cache`` support required).
+        env: the env whose :attr:`tokens` buffer holds the prompts (a ``TransformedEnv`` of one works).
+        sampling: a :class:`SamplingConfig`.
+        seed: seed of the sampling generator.
+        return_raw_log_prob: also write ``keys.RAW_LOG_PROB`` (model log-prob at temperature 1).
+
+    Example:
+        >>> from tokengym.llm_envs import TokenEnv
+        >>> from tokengym.testing import tiny_tokenizer, tiny_model
+        >>> tok = tiny_tokenizer(); model = tiny_model(tok)
+        >>> env = TokenEnv(["1+1="], tok, batch_size=2, max_new_tokens=4, model_config=model.config)
+        >>> policy = TransformersPolicy(model, env, seed=0)
+        >>> td = policy(env.reset())
+        >>> td["action"].shape, td["action_log_prob"].dtype
+        (torch.Size([2]), torch.float32)
+    """
+
+    in_keys = [keys.TOKEN, keys.SEQ_LEN, keys.TRAJ_ID, keys.ACTIVE]
+    out_keys = [keys.ACTION, keys.ACTION_LOG_PROB, keys.POLICY_VERSION]
+
+    def __init__(
+        self,
+        model,
+        env,
+        *,
+        sampling: SamplingConfig | None = None,
+        seed: int = 0,
+        return_raw_log_prob: bool = False,
+    ) -> None:
+        super().__init__()
+        if sampling is not None and not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        _check_model(model)
+        self.model, self.sampling = model, sampling or SamplingConfig()
+        self.env = _base_env(env)
+        _check_vocab(model, self.env)
+        self.return_raw_log_prob = return_raw_log_prob
+        if return_raw_log_prob:
+            self.out_keys = [*self.out_keys, keys.RAW_LOG_PROB]
+        self.version = 0
+        self.generator = torch.Generator().manual_seed(seed)
+        self.reset_cache()
+
+    def reset_cache(self) -> None:
+        """Drop every cached slot; the next call prefills all slots from the env's token buffer."""
+        B = self.env.batch_size[0]
+        self.cache = SlotKVCache(self.model, B)
+        self._traj = torch.full((B,), -1, dtype=torch.int64)
+
+    # -- stepping --
+    def _sync(self, seq_len: torch.Tensor, traj: torch.Tensor, active: torch.Tensor) -> None:
+        """Prefill new slots and extend slots whose sequence grew by env-inserted tokens."""
+        is_new = active & (traj != self._traj)
+        behind = active & (self.cache.length < seq_len - 1)
+        if not bool((is_new | behind).any()):
+            return
+        if bool(is_new.any()):
+            self.cache.reset_rows(is_new.nonzero().squeeze(-1))
+            self._traj = torch.where(is_new, traj, self._traj)
+        rows = (is_new | behind).nonzero().squeeze(-1)
+        tokens = self.env.tokens
+        # the last token of the sequence is fed by the decode step; the cache holds everything before it
+        segments = [tokens[b, int(self.cache.length[b]) : int(seq_len[b]) - 1] for b in rows.tolist()]
+        self.cache.extend(rows, segments)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Write ``action``, ``action_log_prob`` and ``policy_version`` for every slot."""
+        token, seq_len = tensordict.get(keys.TOKEN), tensordict.get(keys.SEQ_LEN)
+        traj, active = tensordict.get(keys.TRAJ_ID), tensordict.get(keys.ACTIVE)
+        self._sync(seq_len, traj, active)
+        logits = self.cache.decode(token, active)
+        logits = torch.where(active[:, None], logits, torch.zeros_like(logits))  # idle rows attend nothing
+        action, logp, raw = sample_tokens(logits, self.sampling, self.generator)
+        tensordict.set(keys.ACTION, action)
+        tensordict.set(keys.ACTION_LOG_PROB, logp)
+        tensordict.set(keys.POLICY_VERSION, torch.full_like(action, self.version))
+        if self.return_raw_log_prob:
+            tensordict.set(keys.RAW_LOG_PROB, raw)
+        return tensordict
+
+    # -- generate-then-unroll --
+    @torch.no_grad()
+    def generate_wave(self, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int):
+        """One ``model.generate`` call for a left-padded wave of prompts (B, P).
+
+        Sampling goes through the same :func:`sample_tokens` and generator as stepping, so a wave is
+        token-for-token what stepping would produce from the same state.
+
+        Returns:
+            ``(actions, action_log_probs, raw_log_probs)``, each (B, T) with ``T <= max_new_tokens``.
+        """
+        sampler = _SamplingProcessor(self.sampling, self.generator)
+        eos = self.env.eos_token_ids
+        self.model.generate(
+            input_ids=prompts,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([sampler]),
+            eos_token_id=sorted(eos),
+            pad_token_id=self.env.tokenizer.pad_token_id,
+            num_beams=1,
+            use_cache=True,
+        )
+        stack = [torch.stack(x, dim=1) for x in (sampler.actions, sampler.log_probs, sampler.raw_log_probs)]
+        return tuple(stack)
+
+    def bump_version(self) -> int:
+        """Increase the policy version (after a weight update) and return it."""
+        self.version += 1
+        return self.version
+
+    def state_dict_rng(self) -> dict:
+        """Sampling state to checkpoint: generator state and version (weights are the user's)."""
+        return {"generator": self.generator.get_state(), "version": self.version}
+
+    def load_state_dict_rng(self, state: dict) -> None:
+        """Restore :meth:`state_dict_rng`; the KV cache is rebuilt from the env on the next call."""
+        self.generator.set_state(state["generator"])
+        self.version = state["version"]
+        self.reset_cache()
+
+
+class _SamplingProcessor(LogitsProcessor):
+    """Samples inside ``generate`` with tokengym's sampler; returns one-hot scores so greedy picks it."""
+
+    def __init__(self, config: SamplingConfig, generator: torch.Generator) -> None:
+        self.config, self.generator = config, generator
+        self.actions: list[torch.Tensor] = []
+        self.log_probs: list[torch.Tensor] = []
+        self.raw_log_probs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        action, logp, raw = sample_tokens(scores, self.config, self.generator)
+        self.actions.append(action)
+        self.log_probs.append(logp)
+        self.raw_log_probs.append(raw)
+        out = torch.full_like(scores, -float("inf"))
+        return out.scatter_(-1, action[:, None], 0.0)
+
+
+def _check_model(model) -> None:
+    if not hasattr(model, "config") or not callable(model):
+        raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is encoder-decoder; TransformersPolicy needs a causal LM")
+    if getattr(model.config, "use_cache", True) is False:
+        raise ValueError(
+            f"{type(model).__name__}.config.use_cache is False; set model.config.use_cache = True "
+            "(TransformersPolicy decodes incrementally with a KV cache)"
+        )
+
+
+def _check_vocab(model, env) -> None:
+    model_vocab = int(model.config.vocab_size)
+    tok_vocab = len(env.tokenizer)
+    if model_vocab < tok_vocab:
+        raise ValueError(
+            f"the model's vocab_size {model_vocab} is smaller than the env tokenizer's {tok_vocab}: "
+            "the model and the tokenizer do not match"
+        )
+    if model_vocab > env.vocab_size:
+        raise ValueError(
+            f"the model can emit ids up to {model_vocab - 1} but the env accepts [0, {env.vocab_size}); "
+            "build the env with model_config=model.config"
+        )
