@@ -1,13 +1,24 @@
 """Token-level LLM environments and the data contract (``tokengym.llm_envs``)."""
 
-from tokengym.llm_envs import keys
+from tokengym.llm_envs import keys, tasks
 from tokengym.llm_envs.errors import ResetNeeded, RewardFunctionError, TokenGymError
+from tokengym.llm_envs.gym_adapter import GymTokenEnv, register_envs
 from tokengym.llm_envs.prompt_table import PromptTable
 from tokengym.llm_envs.prompts import Prompt, PromptSource
+from tokengym.llm_envs.rewards import CombinedReward, FormatReward, MathAnswerReward, RewardModelReward
+from tokengym.llm_envs.tasks import load_prompt_file
 from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 
 __all__ = [
     "keys",
+    "tasks",
+    "GymTokenEnv",
+    "register_envs",
+    "CombinedReward",
+    "FormatReward",
+    "MathAnswerReward",
+    "RewardModelReward",
+    "load_prompt_file",
     "Prompt",
     "PromptSource",
     "PromptTable",

@@ -75,6 +75,7 @@ KL = "kl"
 
 # -- written by the collector --
 MASK = ("collector", "mask")
+NEXT = "next"  # the sub-TensorDict of a step's outcome
 PROMPTS = ("collector", "prompts")
 VERSION_START = ("collector", "version_start")  # int64 (N, T) policy version of the trajectory's first token
 VERSION_END = ("collector", "version_end")  # int64 (N, T) policy version of its last token
@@ -86,6 +87,11 @@ ATTENTION_MASK = "attention_mask"  # bool (N, L)
 ACTION_MASK = "action_mask"  # bool (N, L) True on tokens the policy generated
 POSITION_IDS = "position_ids"  # int64 (N, L) / packed (1, sum L)
 SEQ_OFFSETS = "offsets"  # int64 (N+1,) packed layout boundaries
+# transforms (issue #4): layout position, DPO pairs, per-token loss weights
+RESPONSE_START = "response_start"  # int (non-tensor) padded layout: column of the first response token
+CHOSEN = "chosen"  # sub-TensorDict (G, L) DPO pairs: the higher-reward sequence of a group
+REJECTED = "rejected"  # sub-TensorDict (G, L) DPO pairs: the lower-reward sequence of a group
+LOSS_WEIGHT = "loss_weight"  # float32 (B,) per-token loss weight (clip-filter / dynamic sampling)
 
 OBSERVATION_KEYS = (TOKEN, SEQ_LEN, PROMPT_LEN, RESPONSE_LEN, TRAJ_ID, GROUP_ID, SAMPLE_ID, TURN, ACTIVE)
 PROVENANCE_KEYS = (TRAJ_ID, GROUP_ID, SAMPLE_ID, TURN, POLICY_VERSION)
