@@ -1,7 +1,8 @@
 """Token-level LLM environments and the data contract (``tokengym.llm_envs``)."""
 
 from tokengym.llm_envs import keys, tasks
-from tokengym.llm_envs.errors import ResetNeeded, RewardFunctionError, TokenGymError
+from tokengym.llm_envs.checker import check_env
+from tokengym.llm_envs.errors import ContractError, ResetNeeded, RewardFunctionError, TokenGymError
 from tokengym.llm_envs.gym_adapter import GymTokenEnv, register_envs
 from tokengym.llm_envs.prompt_table import PromptTable
 from tokengym.llm_envs.prompts import Prompt, PromptSource
@@ -11,6 +12,8 @@ from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 
 __all__ = [
     "keys",
+    "check_env",
+    "ContractError",
     "tasks",
     "GymTokenEnv",
     "register_envs",

@@ -16,7 +16,9 @@ class StopChecker:
     """
 
     def __init__(self, tokenizer, stop_strings: Sequence[str], vocab_size: int) -> None:
-        if isinstance(stop_strings, str):
+        if stop_strings is None:
+            stop_strings = ()
+        elif isinstance(stop_strings, str):
             stop_strings = [stop_strings]
         bad = [s for s in stop_strings if not isinstance(s, str) or not s]
         if bad:

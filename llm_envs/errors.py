@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TokenGymError", "ResetNeeded", "RewardFunctionError"]
+__all__ = ["TokenGymError", "ResetNeeded", "RewardFunctionError", "ContractError"]
 
 
 class TokenGymError(Exception):
@@ -15,3 +15,7 @@ class ResetNeeded(TokenGymError, ValueError):
 
 class RewardFunctionError(TokenGymError, ValueError):
     """A reward function raised or returned a bad value; the env state is unchanged."""
+
+
+class ContractError(TokenGymError, ValueError):
+    """An env broke the data contract of ``llm_envs/keys.py`` (raised by ``check_env``)."""

@@ -167,8 +167,9 @@ class TokenEnv(EnvBase):
         self._prompts[b] = prompt
         s[keys.RESPONSE_LEN][b] = 0
         s[keys.TURN][b] = 0
-        if prompt is None:  # source exhausted: the slot idles
+        if prompt is None:  # source exhausted: the slot idles, holding an empty sequence
             s[keys.ACTIVE][b] = False
+            s[keys.SEQ_LEN][b] = s[keys.PROMPT_LEN][b] = 0  # a stale seq_len may equal max_length
             return
         n = prompt.ids.numel()
         if n >= self.max_length:
@@ -233,8 +234,8 @@ class TokenEnv(EnvBase):
             slots = (self._rt.done & active).nonzero().squeeze(-1).tolist()
             raise ResetNeeded(f"slots {slots} are done; reset them (td['_reset']) or use env.step_and_maybe_reset")
         seq_len = s[keys.SEQ_LEN]
-        written = torch.where(active, action, self.tokens[self._arange, seq_len])
-        self.tokens[self._arange, seq_len] = written  # beyond seq_len: harmless if a later check raises
+        previous = self.tokens[self._arange, seq_len]
+        self.tokens[self._arange, seq_len] = torch.where(active, action, previous)
         new_len, resp_len = seq_len + active, s[keys.RESPONSE_LEN] + active
         terminated = active & torch.isin(action, self._eos)
         if self._stop.is_enabled:
@@ -243,7 +244,11 @@ class TokenEnv(EnvBase):
         done = terminated | truncated
         reward = torch.zeros(self.batch_size[0], 1)
         if bool(done.any()):
-            self._score(done.nonzero().squeeze(-1), new_len, reward)
+            try:
+                self._score(done.nonzero().squeeze(-1), new_len, reward)
+            except RewardFunctionError:
+                self.tokens[self._arange, seq_len] = previous  # roll back: a failed step leaves no trace
+                raise
         # commit only after the reward function succeeded: a raising reward_fn leaves the env as it was
         s[keys.TOKEN] = torch.where(active, action, s[keys.TOKEN])
         s[keys.SEQ_LEN], s[keys.RESPONSE_LEN] = new_len, resp_len
@@ -268,7 +273,7 @@ class TokenEnv(EnvBase):
                 f"(first: prompt {first.index} {first.text[:60]!r}, trajectory {int(self._rt.state[keys.TRAJ_ID][slots[0]])}); "
                 "the env state is unchanged, fix the reward function and step again"
             ) from err
-        reward[slots, 0] = _check_rewards(values, len(slots), prompts)
+        reward[slots, 0] = _check_rewards(values, slots, prompts)
 
 
 class _Runtime:
@@ -281,20 +286,22 @@ class _Runtime:
         self.next_traj = 0
 
 
-def _check_rewards(values, n: int, prompts: list[Prompt]) -> torch.Tensor:
+def _check_rewards(values, slots: list[int], prompts: list[Prompt]) -> torch.Tensor:
+    n, first = len(slots), f"slots {slots} (first: prompt {prompts[0].index} {prompts[0].text[:60]!r})"
     try:
         out = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
     except (TypeError, ValueError, RuntimeError) as err:
-        raise RewardFunctionError(f"reward_fn must return {n} numbers, got {values!r:.80} ({err})") from err
+        raise RewardFunctionError(f"reward_fn must return {n} numbers for {first}, got {values!r:.80} ({err})") from err
     if out.numel() != n:
         raise RewardFunctionError(
-            f"reward_fn returned {out.numel()} values for {n} finished responses; return one float per response"
+            f"reward_fn returned {out.numel()} values for {n} finished responses in {first}; "
+            "return one float per response"
         )
     if not bool(torch.isfinite(out).all()):
         bad = int((~torch.isfinite(out)).nonzero()[0])
         raise RewardFunctionError(
-            f"reward_fn returned {out[bad].item()} for prompt {prompts[bad].index} {prompts[bad].text[:60]!r}; "
-            "rewards must be finite"
+            f"reward_fn returned {out[bad].item()} for slot {slots[bad]}, prompt {prompts[bad].index} "
+            f"{prompts[bad].text[:60]!r}; rewards must be finite"
         )
     return out
 

@@ -81,7 +81,9 @@ def test_gym_token_env_errors():
         GymTokenEnv(make_arithmetic_env, render_mode="human", batch_size=1)
     with pytest.raises(TypeError, match="env_factory must return a TokenEnv, got list"):
         GymTokenEnv(list)
-    with pytest.raises(ValueError, match=r"needs a single-slot TokenEnv, got batch_size=\(2,\); build it with batch_size=1"):
+    with pytest.raises(
+        ValueError, match=r"needs a single-slot TokenEnv, got batch_size=\(2,\); build it with batch_size=1"
+    ):
         GymTokenEnv(make_arithmetic_env, batch_size=2)
     env = GymTokenEnv(make_reversal_env, batch_size=1, n_prompts=2)
     assert env.render() is None

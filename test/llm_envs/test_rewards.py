@@ -38,7 +38,8 @@ def test_extract_answer(text, expected):
 
 
 @pytest.mark.parametrize(
-    "raw, expected", [(" 19 ", "19"), ("+5", "5"), ("1,000", "1000"), ("3.0", "3"), ("2.50", "2.50"), ("$7$", "7"), (-0, "0")]
+    "raw, expected",
+    [(" 19 ", "19"), ("+5", "5"), ("1,000", "1000"), ("3.0", "3"), ("2.50", "2.50"), ("$7$", "7"), (-0, "0")],
 )
 def test_normalize_answer(raw, expected):
     assert normalize_answer(raw) == expected
@@ -54,7 +55,9 @@ def test_math_answer_reward():
 
 def test_math_answer_reward_custom_key_and_missing_key():
     assert _call(MathAnswerReward("gold"), ["4"], [{"gold": "4"}]) == [1.0]
-    with pytest.raises(KeyError, match=r"reads metadata\['answer'\] but the prompt's metadata has keys \['gold'\]"):
+    with pytest.raises(
+        KeyError, match=r"reads metadata\['answer'\] but the prompt's metadata has keys \['gold'\]"
+    ):
         MathAnswerReward()(["4"], [""], [{"gold": "4"}])
 
 
@@ -117,7 +120,9 @@ def test_reward_model_reward_truncates_from_the_left(tokenizer, reward_model):
 
 def test_reward_model_reward_bad_args(tokenizer, reward_model):
     two_labels = types.SimpleNamespace(config=types.SimpleNamespace(num_labels=2, pad_token_id=0))
-    with pytest.raises(ValueError, match=r"config.num_labels == 1\), got num_labels=2; load it with num_labels=1"):
+    with pytest.raises(
+        ValueError, match=r"config.num_labels == 1\), got num_labels=2; load it with num_labels=1"
+    ):
         RewardModelReward(two_labels, tokenizer)
     no_pad_tok = types.SimpleNamespace(pad_token_id=None)
     with pytest.raises(ValueError, match="the tokenizer has no pad_token_id"):
@@ -132,7 +137,9 @@ def test_reward_model_reward_bad_args(tokenizer, reward_model):
 
 
 def test_combined_reward():
-    combined = CombinedReward([MathAnswerReward(), FormatReward(), lambda r, p, m: [0.5] * len(r)], [2.0, 1.0, -1.0])
+    combined = CombinedReward(
+        [MathAnswerReward(), FormatReward(), lambda r, p, m: [0.5] * len(r)], [2.0, 1.0, -1.0]
+    )
     assert _call(combined, ["\\boxed{4}", "4", "5"], [{"answer": "4"}] * 3) == [2.5, 1.5, -0.5]
     assert _call(CombinedReward([FormatReward()]), ["\\boxed{1}"]) == [1.0]
 

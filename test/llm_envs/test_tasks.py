@@ -69,7 +69,9 @@ def test_task_env_steps_with_random_actions(task):
 
 
 def test_make_env_forwards_kwargs(tokenizer):
-    env = make_arithmetic_env(tokenizer=tokenizer, batch_size=2, max_new_tokens=5, max_length=64, group_size=2)
+    env = make_arithmetic_env(
+        tokenizer=tokenizer, batch_size=2, max_new_tokens=5, max_length=64, group_size=2
+    )
     assert env.tokenizer is tokenizer and env.max_new_tokens == 5 and env.max_length == 64
     assert env.source.group_size == 2
 
@@ -131,7 +133,9 @@ def test_countdown_reward():
         -1.0,
         2.0,
     ]
-    with pytest.raises(KeyError, match=r"reads metadata \['target'\] but the prompt's metadata has keys \['numbers'\]"):
+    with pytest.raises(
+        KeyError, match=r"reads metadata \['target'\] but the prompt's metadata has keys \['numbers'\]"
+    ):
         reward(["1"], [""], [{"numbers": [1]}])
     with pytest.raises(TypeError, match="wrong must be a finite number, got None"):
         CountdownReward(wrong=None)
@@ -171,7 +175,10 @@ def test_reversal_bad_args():
         ReversalReward()(["x"], [""], [{}])
 
 
-ROWS = [{"question": "12+7=", "solution": "19", "level": 1}, {"question": "3+4=", "solution": "7", "level": 2}]
+ROWS = [
+    {"question": "12+7=", "solution": "19", "level": 1},
+    {"question": "3+4=", "solution": "7", "level": 2},
+]
 
 
 @pytest.fixture(params=["jsonl", "parquet"])
@@ -204,10 +211,13 @@ def test_load_prompt_file_errors(prompt_file, tmp_path):
     with pytest.raises(ValueError, match="does not exist \\(or is not a file\\); check the path"):
         load_prompt_file(tmp_path / "missing.jsonl")
     (tmp_path / "p.csv").write_text("prompt\nhi\n")
-    with pytest.raises(ValueError, match=r"has extension '.csv'; use one of \['.json', '.jsonl', '.parquet', '.pq'\]"):
+    with pytest.raises(
+        ValueError, match=r"has extension '.csv'; use one of \['.json', '.jsonl', '.parquet', '.pq'\]"
+    ):
         load_prompt_file(tmp_path / "p.csv")
     with pytest.raises(
-        ValueError, match=r"has no column 'prompt' \(prompt_key\); its columns are \['question', 'solution', 'level'\]"
+        ValueError,
+        match=r"has no column 'prompt' \(prompt_key\); its columns are \['question', 'solution', 'level'\]",
     ):
         load_prompt_file(prompt_file)
     with pytest.raises(ValueError, match=r"has no column 'answer' \(answer_key\).*or answer_key=None"):
