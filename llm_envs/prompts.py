@@ -124,7 +124,7 @@ class PromptSource:
                 self.is_exhausted = True
                 return None
             index, item = nxt
-            ids, text, meta = self.encode(item, index)
+            ids, text, meta = self._encode_cached(item, index)
             self._current, self._sample = (index, ids, text, meta), 0
             self._group += 1
         index, ids, text, meta = self._current
@@ -154,6 +154,19 @@ class PromptSource:
             self._current = (index, *self.encode(item, index))
 
     # -- encoding --
+    _CACHE_SIZE = 65_536
+
+    def _encode_cached(self, item, index: int) -> tuple[torch.Tensor, str, dict]:
+        """Encode a sized source's item once across epochs (bounded cache); iterables every time."""
+        if not self.is_sized:
+            return self.encode(item, index)
+        cache = self.__dict__.setdefault("_cache", {})
+        if index not in cache:
+            if len(cache) >= self._CACHE_SIZE:
+                cache.pop(next(iter(cache)))
+            cache[index] = self.encode(item, index)
+        return cache[index]
+
     def encode(self, item, index: int) -> tuple[torch.Tensor, str, dict]:
         """Token ids, text and metadata of one item; raises ``ValueError`` for an empty prompt."""
         meta: dict = {}
