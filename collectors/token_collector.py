@@ -255,6 +255,8 @@ class TokenCollector:
         """Load new weights into the policy's model (if given) and bump the policy version."""
         if state_dict is not None:
             self.policy.model.load_state_dict(state_dict)
+        if hasattr(self.policy, "reset_cache"):
+            self.policy.reset_cache()  # live slots are re-prefilled under the new weights
         return self.policy.bump_version()
 
     # -- checkpoints --

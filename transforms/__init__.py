@@ -1,0 +1,76 @@
+"""Transforms of collected batches (``tokengym.transforms``): KL reward shaping, KL control, reward
+shaping, advantages, filtering and training layouts."""
+
+from __future__ import annotations
+
+from tokengym.transforms._base import BatchTransform
+from tokengym.transforms.advantages import (
+    AdvantageEstimator,
+    DiscountedReturns,
+    GAEAdvantage,
+    discounted_returns,
+    masked_whiten,
+)
+from tokengym.transforms.filtering import (
+    ClipFilterWeights,
+    FilterMode,
+    ZeroStdGroupFilter,
+    clip_filter_weights,
+)
+from tokengym.transforms.group_advantages import (
+    GroupAdvantage,
+    group_advantages,
+    group_stats,
+    make_advantage,
+    sequence_scores,
+)
+from tokengym.transforms.kl_control import AdaptiveKLController, ConstantKLController, KLController
+from tokengym.transforms.kl_reward import KLEstimator, KLRewardTransform, kl_estimate
+from tokengym.transforms.layouts import dpo_pairs, padded_to_steps, to_packed, to_padded
+from tokengym.transforms.reward_shaping import ClipReward, MissingEOSPenalty, OverlongPenalty, ScaleReward
+from tokengym.transforms.scoring import (
+    batch_sequences,
+    check_trajectory_rows,
+    sequence_log_probs,
+    step_log_probs,
+)
+from tokengym.transforms.trajectories import split_trajectories
+from tokengym.transforms.turn_discount import TurnDiscount
+
+__all__ = [
+    "AdaptiveKLController",
+    "AdvantageEstimator",
+    "BatchTransform",
+    "ClipFilterWeights",
+    "ClipReward",
+    "ConstantKLController",
+    "DiscountedReturns",
+    "FilterMode",
+    "GAEAdvantage",
+    "GroupAdvantage",
+    "KLController",
+    "KLEstimator",
+    "KLRewardTransform",
+    "MissingEOSPenalty",
+    "OverlongPenalty",
+    "ScaleReward",
+    "TurnDiscount",
+    "ZeroStdGroupFilter",
+    "batch_sequences",
+    "check_trajectory_rows",
+    "clip_filter_weights",
+    "discounted_returns",
+    "dpo_pairs",
+    "group_advantages",
+    "group_stats",
+    "kl_estimate",
+    "make_advantage",
+    "masked_whiten",
+    "padded_to_steps",
+    "sequence_log_probs",
+    "sequence_scores",
+    "split_trajectories",
+    "step_log_probs",
+    "to_packed",
+    "to_padded",
+]

@@ -1,0 +1,133 @@
+"""Argument checks and trajectory indexing shared by the transforms (private)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from tensordict import TensorDictBase
+
+from tokengym.llm_envs import keys
+from tokengym.llm_envs.prompt_table import PromptTable
+
+_MISSING_KEY = "{owner} reads {key!r} (tokengym.llm_envs.keys) but got keys {found}"
+_NOT_A_TD = "{owner} expects a TensorDict batch [N, T], got {kind}"
+_BAD_BATCH_DIMS = "{owner} expects a collected batch with batch dims [N, T] (rows, steps), got batch_size {shape}"
+
+
+def found_keys(td: TensorDictBase) -> list:
+    """Sorted leaf keys of ``td`` (for error messages)."""
+    return sorted((k if isinstance(k, str) else tuple(k) for k in td.keys(True, True)), key=str)
+
+
+def check_batch(td, owner: str, required: Iterable = ()) -> None:
+    """Raise TypeError / ValueError / KeyError unless ``td`` is an ``[N, T]`` TensorDict holding ``required``."""
+    if not isinstance(td, TensorDictBase):
+        raise TypeError(_NOT_A_TD.format(owner=owner, kind=type(td).__name__))
+    if td.batch_dims != 2:
+        raise ValueError(_BAD_BATCH_DIMS.format(owner=owner, shape=tuple(td.batch_size)))
+    for key in required:
+        require(td, key, owner)
+
+
+def require(td: TensorDictBase, key, owner: str) -> torch.Tensor:
+    """``td.get(key)``, or a KeyError naming the key, the component and the keys found."""
+    value = td.get(key, None)
+    if value is None:
+        raise KeyError(_MISSING_KEY.format(owner=owner, key=key, found=found_keys(td)))
+    return value
+
+
+def check_number(name: str, value, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, fix: str = "") -> float:  # fmt: skip
+    """Return ``float(value)``, raising TypeError/ValueError if it is not a finite number in range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    bad = not math.isfinite(value)
+    bad |= low is not None and (value <= low if low_open else value < low)
+    bad |= high is not None and value > high
+    if bad:
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value}. {fix}".rstrip())
+    return value
+
+
+def valid_mask(td: TensorDictBase) -> torch.Tensor:
+    """``keys.MASK`` (bool [N, T]) or all-True when the batch has no padding."""
+    mask = td.get(keys.MASK, None)
+    if mask is None:
+        return torch.ones(td.batch_size, dtype=torch.bool, device=td.device)
+    return mask.bool()
+
+
+def squeeze_last(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A ``[N, T]`` view of ``x`` given as [N, T] or [N, T, 1]."""
+    return x.reshape(shape) if x.shape != shape else x
+
+
+def sequence_index(td: TensorDictBase, owner: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Number the trajectories of a batch: a new one starts at ``t == 0`` or where ``TRAJ_ID`` changes.
+
+    Returns ``(seq, mask, num_seqs)``: ``seq`` int64 [N, T] is the trajectory index of each step
+    (in row-major order, ``-1`` on padding), ``mask`` the valid steps.
+    """
+    traj = require(td, keys.TRAJ_ID, owner)
+    mask = valid_mask(td)
+    start = torch.ones_like(mask)
+    start[:, 1:] = traj[:, 1:] != traj[:, :-1]
+    start &= mask
+    seq = start.reshape(-1).cumsum(0).reshape(mask.shape) - 1
+    seq = torch.where(mask, seq, torch.full_like(seq, -1))
+    return seq, mask, int(start.sum())
+
+
+def check_complete(td: TensorDictBase, seq: torch.Tensor, mask: torch.Tensor, num: int, owner: str) -> None:
+    """Raise ValueError if a trajectory starts before the batch or ends after it (STEPS batches)."""
+    response_len = require(td, keys.RESPONSE_LEN, owner)
+    done = squeeze_last(require(td, keys.DONE, owner), mask.shape)
+    first = torch.zeros(num, dtype=torch.int64, device=mask.device).scatter_reduce(
+        0, seq[mask], response_len[mask], reduce="amin", include_self=False
+    )
+    ended = torch.zeros(num, dtype=torch.bool, device=mask.device).index_put_((seq[mask],), done[mask], accumulate=True)
+    bad = (first != 0) | ~ended
+    if bool(bad.any()):
+        traj = require(td, keys.TRAJ_ID, owner)
+        which = int(bad.nonzero()[0])
+        tid = int(traj[seq == which][0])
+        why = "does not start at response step 0" if int(first[which]) != 0 else "has no done step in this batch"
+        raise ValueError(
+            f"{owner} needs complete trajectories, but trajectory {tid} {why}. Collect in TRAJECTORIES "
+            f"mode, or keep only complete trajectories (e.g. tokengym.transforms.split_trajectories(batch, "
+            f"complete_only=True))."
+        )
+
+
+def get_prompts(td: TensorDictBase, prompts: PromptTable | None, owner: str) -> PromptTable:
+    """The PromptTable passed in, or the one the batch carries under ``keys.PROMPTS``."""
+    if prompts is None:
+        try:
+            prompts = td.get_non_tensor(keys.PROMPTS)
+        except KeyError:
+            prompts = None
+        if prompts is None:
+            raise KeyError(
+                f"{owner} reads the PromptTable under {keys.PROMPTS!r} (tokengym.llm_envs.keys) but got keys "
+                f"{found_keys(td)}; pass prompts=PromptTable(...) or collect with a tokengym collector"
+            )
+    if not isinstance(prompts, PromptTable):
+        raise TypeError(f"{owner} expects prompts to be a PromptTable, got {type(prompts).__name__}")
+    return prompts
+
+
+def check_single_turn(td: TensorDictBase, owner: str) -> None:
+    """Raise ValueError on multi-turn batches: their env-inserted tokens are not in the step batch."""
+    turn = td.get(keys.TURN, None)
+    if turn is not None and bool((turn[valid_mask(td)] > 0).any()):
+        raise ValueError(
+            f"{owner} rebuilds sequences as prompt + generated tokens, but this batch has turns > 0 whose "
+            f"env-inserted tokens are not stored in it; use it on single-turn batches only."
+        )

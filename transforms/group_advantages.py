@@ -1,0 +1,175 @@
+"""Group-relative advantages (GRPO, Dr.GRPO, RLOO, REINFORCE++ baseline) over ``keys.GROUP_ID``.
+
+Each trajectory's score is the sum of its rewards; its advantage is broadcast to every valid
+generated token. Groups are the samples of one prompt found in the batch: a group with fewer
+samples than expected (unequal sizes, or split across batches) is estimated on what is present,
+and a group of one sample gets advantage 0. Pass ``group_size`` to get a ValueError instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+
+from tokengym.llm_envs import keys
+from tokengym.transforms._base import BatchTransform
+from tokengym.transforms._checks import (
+    check_batch,
+    check_complete,
+    check_number,
+    require,
+    sequence_index,
+    squeeze_last,
+)
+from tokengym.transforms.advantages import AdvantageEstimator, DiscountedReturns, GAEAdvantage, masked_whiten
+
+__all__ = ["group_advantages", "group_stats", "sequence_scores", "GroupAdvantage", "make_advantage"]
+
+_GROUP_ESTIMATORS = (AdvantageEstimator.GRPO, AdvantageEstimator.DR_GRPO, AdvantageEstimator.RLOO,
+                     AdvantageEstimator.REINFORCE_PP)  # fmt: skip
+
+
+def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence ``(group mean, group std (unbiased; 0 for one sample), group count)`` (M,) each.
+
+    Example:
+        >>> mean, std, n = group_stats(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([7, 7, 9]))
+        >>> mean.tolist(), n.tolist()
+        ([2.0, 2.0, 5.0], [2, 2, 1])
+    """
+    if scores.ndim != 1 or group_ids.shape != scores.shape:
+        raise ValueError(
+            f"scores and group_ids must be 1-D of one length, got {tuple(scores.shape)} and {tuple(group_ids.shape)}"
+        )
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    scores = scores.float()
+    sums = torch.zeros(len(counts), dtype=scores.dtype, device=scores.device).index_add_(0, inverse, scores)
+    mean = (sums / counts)[inverse]
+    sq = torch.zeros_like(sums).index_add_(0, inverse, (scores - mean).square())
+    std = (sq / (counts - 1).clamp(min=1)).sqrt()[inverse]
+    return mean, std, counts[inverse]
+
+
+def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor, estimator: str | AdvantageEstimator = "grpo",
+                     *, eps: float = 1e-6) -> torch.Tensor:  # fmt: skip
+    """Sequence-level advantages (M,) from scores (M,) and group ids (M,), vectorized over groups.
+
+    Args:
+        scores: one score per sequence.
+        group_ids: its group (prompt) id.
+        estimator: ``"grpo"`` (r - mean) / (std + eps), ``"dr_grpo"`` r - mean,
+            ``"rloo"`` r - mean of the others, ``"reinforce_pp"`` r - mean.
+        eps: added to the std (GRPO).
+
+    Example:
+        >>> r, g = torch.tensor([1.0, 0.0, 0.0, 2.0]), torch.tensor([0, 0, 0, 1])
+        >>> [round(a, 4) for a in group_advantages(r, g, "rloo").tolist()]  # 1 - mean(0, 0); 0 - mean(1, 0); lone -> 0
+        [1.0, -0.5, -0.5, 0.0]
+    """
+    estimator = AdvantageEstimator.parse(estimator)
+    if estimator not in _GROUP_ESTIMATORS:
+        raise ValueError(f"{estimator.value!r} is not a group estimator; use one of {[e.value for e in _GROUP_ESTIMATORS]}")
+    eps = check_number("eps", eps, low=0.0)
+    mean, std, count = group_stats(scores, group_ids)
+    centred = scores.float() - mean
+    if estimator is AdvantageEstimator.GRPO:
+        adv = centred / (std + eps)
+    elif estimator is AdvantageEstimator.RLOO:
+        # leave-one-out baseline: the mean of the other samples of the group, (sum - r) / (n - 1)
+        adv = scores.float() - (mean * count - scores.float()) / (count - 1).clamp(min=1)
+    else:
+        adv = centred
+    return torch.where(count > 1, adv, torch.zeros_like(adv))
+
+
+def sequence_scores(td: TensorDictBase, *, reward_key=keys.REWARD, owner: str = "sequence_scores"):
+    """Score (summed reward) and group id of every complete trajectory of a batch.
+
+    Returns ``(seq, scores, group_ids)``: ``seq`` int64 [N, T] maps each step to its trajectory
+    (-1 on padding); ``scores`` float (M,); ``group_ids`` int64 (M,).
+
+    Raises:
+        ValueError: if a trajectory is incomplete (STEPS batches: it began before or ends after the batch).
+    """
+    check_batch(td, owner, (reward_key, keys.GROUP_ID, keys.TRAJ_ID, keys.DONE, keys.RESPONSE_LEN))
+    seq, mask, num = sequence_index(td, owner)
+    check_complete(td, seq, mask, num, owner)
+    reward = squeeze_last(require(td, reward_key, owner), mask.shape).float()
+    flat = seq[mask]
+    scores = torch.zeros(num, dtype=torch.float32, device=reward.device).index_add_(0, flat, reward[mask])
+    groups = torch.zeros(num, dtype=torch.int64, device=reward.device)
+    groups[flat] = td.get(keys.GROUP_ID)[mask]
+    return seq, scores, groups
+
+
+class GroupAdvantage(BatchTransform):
+    """Group-relative advantage per trajectory, broadcast to its tokens under ``keys.ADVANTAGE`` [N, T, 1].
+
+    Works on TRAJECTORIES batches and on STEPS batches whose trajectories are complete.
+
+    Args:
+        estimator: ``"grpo"``, ``"dr_grpo"``, ``"rloo"`` or ``"reinforce_pp"`` (an :class:`AdvantageEstimator`).
+        eps: added to the group std (GRPO).
+        normalize: whiten the token advantages over the batch; default True for ``"reinforce_pp"`` only.
+        group_size: if set, a group with another number of samples raises ValueError.
+        reward_key: the reward summed into the score (``keys.REWARD``; use ``keys.REWARD_RAW`` to
+            ignore KL shaping).
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> z = torch.zeros(2, 2, dtype=torch.long)
+        >>> b = TensorDict({keys.REWARD: torch.tensor([[[0.0], [1.0]], [[0.0], [0.0]]]), keys.GROUP_ID: z, keys.RESPONSE_LEN: torch.tensor([[0, 1], [0, 1]]),
+        ...                 keys.TRAJ_ID: torch.tensor([[0, 0], [1, 1]]), keys.DONE: torch.tensor([[[False], [True]]] * 2)}, [2, 2])
+        >>> GroupAdvantage("dr_grpo")(b)[keys.ADVANTAGE].squeeze(-1).tolist()
+        [[0.5, 0.5], [-0.5, -0.5]]
+    """
+
+    def __init__(self, estimator: str | AdvantageEstimator = "grpo", *, eps: float = 1e-6, normalize: bool | None = None,
+                 group_size: int | None = None, reward_key=keys.REWARD) -> None:  # fmt: skip
+        self.estimator = AdvantageEstimator.parse(estimator)
+        if self.estimator not in _GROUP_ESTIMATORS:
+            raise ValueError(f"GroupAdvantage takes a group estimator {[e.value for e in _GROUP_ESTIMATORS]}, got "
+                             f"{self.estimator.value!r}; use make_advantage({self.estimator.value!r}) instead")  # fmt: skip
+        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+            raise ValueError(f"group_size must be an int >= 1 or None, got {group_size!r}")
+        super().__init__(in_keys=[reward_key, keys.GROUP_ID, keys.TRAJ_ID, keys.DONE, keys.RESPONSE_LEN],
+                         out_keys=[keys.ADVANTAGE])  # fmt: skip
+        self.eps = check_number("eps", eps, low=0.0)
+        self.normalize = self.estimator is AdvantageEstimator.REINFORCE_PP if normalize is None else bool(normalize)
+        self.group_size = group_size
+        self.reward_key = reward_key
+
+    def _apply_batch(self, td: TensorDictBase) -> TensorDictBase:
+        owner = type(self).__name__
+        seq, scores, groups = sequence_scores(td, reward_key=self.reward_key, owner=owner)
+        if self.group_size is not None and len(groups):
+            _, counts = torch.unique(groups, return_counts=True)
+            if bool((counts != self.group_size).any()):
+                raise ValueError(f"{owner}: expected groups of {self.group_size} samples, found sizes "
+                                 f"{sorted(set(counts.tolist()))}; collect whole groups or pass group_size=None "
+                                 "to estimate on the samples present")  # fmt: skip
+        adv_seq = group_advantages(scores, groups, self.estimator, eps=self.eps)
+        mask = seq >= 0
+        adv = adv_seq[seq.clamp(min=0)] * mask
+        if self.normalize:
+            adv = masked_whiten(adv, mask)
+        td.set(keys.ADVANTAGE, adv.unsqueeze(-1))
+        return td
+
+    def __repr__(self) -> str:
+        return f"GroupAdvantage(estimator={self.estimator.value!r}, normalize={self.normalize})"
+
+
+def make_advantage(estimator: str | AdvantageEstimator, **kwargs) -> BatchTransform:
+    """The advantage transform for ``estimator`` (any :class:`AdvantageEstimator`), built with ``kwargs``.
+
+    Example:
+        >>> make_advantage("rloo"), type(make_advantage("gae", lmbda=1.0)).__name__
+        (GroupAdvantage(estimator='rloo', normalize=False), 'GAEAdvantage')
+    """
+    estimator = AdvantageEstimator.parse(estimator)
+    if estimator is AdvantageEstimator.GAE:
+        return GAEAdvantage(**kwargs)
+    if estimator is AdvantageEstimator.REINFORCE:
+        return DiscountedReturns(**kwargs)
+    return GroupAdvantage(estimator, **kwargs)

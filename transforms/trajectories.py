@@ -1,0 +1,72 @@
+"""Split a STEPS batch into one right-padded row per trajectory (a TRAJECTORIES-style batch)."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+
+from tokengym.llm_envs import keys
+from tokengym.transforms._checks import check_batch, require, sequence_index, squeeze_last
+
+__all__ = ["split_trajectories"]
+
+
+def _complete(td: TensorDictBase, seq: torch.Tensor, mask: torch.Tensor, num: int) -> torch.Tensor:
+    """Bool (M,): the trajectory starts at response step 0 and has its done step in the batch."""
+    owner = "split_trajectories"
+    response_len = require(td, keys.RESPONSE_LEN, owner)
+    done = squeeze_last(require(td, keys.DONE, owner), mask.shape).bool()
+    flat = seq[mask]
+    starts = torch.zeros(num, dtype=torch.bool, device=mask.device)
+    starts.index_put_((flat,), response_len[mask] == 0, accumulate=True)
+    ended = torch.zeros(num, dtype=torch.bool, device=mask.device).index_put_((flat,), done[mask], accumulate=True)
+    return starts & ended
+
+
+def split_trajectories(batch: TensorDictBase, *, complete_only: bool = False) -> TensorDictBase:
+    """One row per trajectory, right-padded (``keys.MASK`` False on padding); vectorized, no loop over rows.
+
+    A trajectory is a run of valid steps of one row with the same ``keys.TRAJ_ID``. The PromptTable
+    under ``keys.PROMPTS`` is carried over.
+
+    Args:
+        batch: collected batch [N, T] (STEPS or TRAJECTORIES).
+        complete_only: keep only trajectories that start at response step 0 and end (done) in the batch.
+
+    Returns:
+        TensorDict [M, T'] with the same keys, ``T'`` the longest trajectory.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> b = TensorDict({keys.TRAJ_ID: torch.tensor([[0, 0, 2], [1, 3, 3]]), keys.ACTION: torch.tensor([[5, 6, 7], [8, 9, 4]])}, [2, 3])
+        >>> out = split_trajectories(b)
+        >>> out[keys.ACTION].tolist(), out[keys.MASK].tolist()
+        ([[5, 6], [7, 0], [8, 0], [9, 4]], [[True, True], [True, False], [True, False], [True, True]])
+    """
+    owner = "split_trajectories"
+    check_batch(batch, owner, (keys.TRAJ_ID,))
+    seq, mask, num = sequence_index(batch, owner)
+    flat = seq[mask]  # (K,) non-decreasing: rows are read in order
+    k = torch.arange(flat.numel(), device=flat.device)
+    first = torch.full((num,), flat.numel(), dtype=torch.int64, device=flat.device)
+    first = first.scatter_reduce(0, flat, k, reduce="amin")
+    pos = k - first[flat]
+    width = int(pos.max()) + 1 if flat.numel() else 0
+    prompts = batch.get(keys.PROMPTS, None)
+    data = batch.exclude(keys.PROMPTS)
+    steps = data[mask]  # (K,) valid steps
+
+    def scatter(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros((num, width, *x.shape[1:]))
+        out[flat, pos] = x
+        return out
+
+    out = steps.apply(scatter, batch_size=[num, width])
+    filled = torch.zeros((num, width), dtype=torch.bool, device=flat.device)
+    filled[flat, pos] = True
+    out.set(keys.MASK, filled)
+    if complete_only:
+        out = out[_complete(batch, seq, mask, num)]
+    if prompts is not None:
+        out.set_non_tensor(keys.PROMPTS, batch.get_non_tensor(keys.PROMPTS))
+    return out
