@@ -130,7 +130,15 @@ class TokenCollector:
             if bool(done.any()):
                 self._remember_prompts(done.reshape(-1).nonzero().squeeze(-1).tolist())
         self.steps_done += 1
+        self._take_sequences()
         return flat_step(td, nxt)
+
+    def _take_sequences(self) -> None:
+        """Move the full sequences of finished multi-turn episodes into the prompt table."""
+        finished = getattr(self.base_env, "finished_sequences", None)
+        while finished:
+            traj, ids = finished.popitem()
+            self._prompts.add_sequence(traj, ids)
 
     def _has_budget(self) -> bool:
         return self.total_steps == -1 or self.steps_done < self.total_steps
@@ -190,7 +198,8 @@ class TokenCollector:
     def _add_provenance(self, batch: TensorDictBase) -> TensorDictBase:
         mask = batch.get(keys.MASK)
         groups = batch.get(keys.GROUP_ID)[mask].unique()
-        batch.set_non_tensor(keys.PROMPTS, self._prompts.subset(groups))
+        trajs = batch.get(keys.TRAJ_ID)[mask].unique()
+        batch.set_non_tensor(keys.PROMPTS, self._prompts.subset(groups, trajs))
         self._prune_prompts()
         if self.mode is CollectMode.TRAJECTORIES:
             version = batch.get(keys.POLICY_VERSION)
@@ -206,7 +215,8 @@ class TokenCollector:
         live = [p.group_id for b in range(self.base_env.batch_size[0]) if (p := self.base_env.slot_prompt(b))]
         if isinstance(self._rec, TrajectoryRecorder):
             live += [int(row[keys.GROUP_ID][0]) for row, _ in self._rec.finished]
-        self._prompts = self._prompts.subset(torch.tensor(live, dtype=torch.int64)) if live else PromptTable()
+        queued = [int(row[keys.TRAJ_ID][0]) for row, _ in getattr(self._rec, "finished", [])]
+        self._prompts = self._prompts.subset(torch.tensor(live, dtype=torch.int64), queued)
 
     def _update_metrics(self, batch: TensorDictBase, elapsed: float, steps0: int) -> None:
         mask = batch.get(keys.MASK) if not self.is_last_step_only else torch.ones(batch.shape, dtype=torch.bool)

@@ -147,11 +147,12 @@ class _Rollout:
             lambda b: f"done={bool(done[b])} terminated={bool(term[b])} truncated={bool(trunc[b])}",
         )
         self._each("terminated and truncated never both", step, term & trunc, lambda b: "both are True")
+        turn_ended = nxt.get(keys.TURN) != before.get(keys.TURN)  # multi-turn: a per-turn reward
         self._each(
-            "reward only where done",
+            "reward only where done or a turn ends",
             step,
-            (reward.reshape(-1) != 0) & ~done,
-            lambda b: f"reward {float(reward[b, 0])} but done=False",
+            (reward.reshape(-1) != 0) & ~done & ~turn_ended,
+            lambda b: f"reward {float(reward[b, 0])} but done=False and the turn did not end",
         )
         self._each(
             "inactive slots never finish", step, done & ~active, lambda b: "done=True but active=False"
@@ -217,8 +218,11 @@ class _Rollout:
                 lambda b: f"seq_len {int(seq[b])} > max_length {self.max_length}",
             )
         for b in active.nonzero().squeeze(-1).tolist():
-            if self.shadow[b] is not None and not bool(new_turn[b]):
+            if self.shadow[b] is not None:
                 self.shadow[b].append(int(action[b]))
+                if bool(new_turn[b]) and self.has_buffer:  # env-inserted feedback follows the model's token
+                    n = int(nxt.get(keys.SEQ_LEN)[b])
+                    self.shadow[b].extend(self.env.tokens[b, len(self.shadow[b]) : n].tolist())
 
     def check_buffer(self, td: TensorDictBase, slots: torch.Tensor, step: int) -> None:
         """Slots still in their trajectory: the buffer holds exactly the shadow prompt + actions."""

@@ -26,6 +26,7 @@ class PromptTable:
         self._ids: dict[int, torch.Tensor] = {}
         self._text: dict[int, str] = {}
         self._meta: dict[int, dict] = {}
+        self._sequences: dict[int, torch.Tensor] = {}  # multi-turn: full token ids by trajectory id
 
     def add(self, group_id: int, ids: torch.Tensor, *, text: str = "", metadata: dict | None = None) -> None:
         """Record the prompt of ``group_id`` (later calls for the same id are ignored)."""
@@ -34,6 +35,18 @@ class PromptTable:
             self._ids[gid] = ids
             self._text[gid] = text
             self._meta[gid] = metadata or {}
+
+    def add_sequence(self, traj_id: int, ids: torch.Tensor) -> None:
+        """Record the full token ids (prompt, turns, env feedback) of a finished multi-turn trajectory."""
+        self._sequences[int(traj_id)] = ids
+
+    def sequence(self, traj_id: int) -> torch.Tensor:
+        """Full token ids of multi-turn trajectory ``traj_id`` (see :meth:`add_sequence`)."""
+        return self._lookup(traj_id, self._sequences)
+
+    def traj_ids(self) -> list[int]:
+        """Trajectory ids with a full sequence recorded."""
+        return list(self._sequences)
 
     def __contains__(self, group_id: int) -> bool:
         return int(group_id) in self._ids
@@ -45,11 +58,11 @@ class PromptTable:
         """The group ids held, in insertion order."""
         return list(self._ids)
 
-    def _lookup(self, group_id: int, store: dict):
-        gid = int(group_id)
-        if gid not in store:
-            raise KeyError(f"group id {gid} is not in this PromptTable (it holds {len(store)} groups)")
-        return store[gid]
+    def _lookup(self, key: int, store: dict):
+        if int(key) not in store:
+            what = ("trajectory", "sequences") if store is self._sequences else ("group", "groups")
+            raise KeyError(f"{what[0]} id {int(key)} is not in this PromptTable (it holds {len(store)} {what[1]})")
+        return store[int(key)]
 
     def ids(self, group_id: int) -> torch.Tensor:
         """Token ids of the prompt of ``group_id``."""
@@ -63,17 +76,22 @@ class PromptTable:
         """Metadata of the prompt of ``group_id`` (e.g. the reference answer)."""
         return self._lookup(group_id, self._meta)
 
-    def subset(self, group_ids) -> PromptTable:
-        """A new table with only ``group_ids`` (shares the tensors)."""
+    def subset(self, group_ids, traj_ids=None) -> PromptTable:
+        """A new table with only ``group_ids`` and the sequences of ``traj_ids`` held (shares the tensors)."""
         out = PromptTable()
         for gid in dict.fromkeys(int(g) for g in torch.as_tensor(group_ids).reshape(-1).tolist()):
             out.add(gid, self.ids(gid), text=self.text(gid), metadata=self.metadata(gid))
+        if traj_ids is not None:
+            for tid in dict.fromkeys(int(t) for t in torch.as_tensor(traj_ids).reshape(-1).tolist()):
+                if tid in self._sequences:
+                    out.add_sequence(tid, self._sequences[tid])
         return out
 
     def merge(self, other: PromptTable) -> PromptTable:
         """Add every prompt of ``other`` to this table and return it."""
         for gid in other.group_ids():
             self.add(gid, other.ids(gid), text=other.text(gid), metadata=other.metadata(gid))
+        self._sequences.update(other._sequences)
         return self
 
     def left_padded(self, group_ids: torch.Tensor, *, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -225,6 +225,25 @@ class TokenEnv(EnvBase):
         return action
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        action, active, previous, new_len, resp_len, ended, limited = self._advance(tensordict)
+        terminated, truncated = ended, limited & ~ended
+        done = terminated | truncated
+        reward = torch.zeros(self.batch_size[0], 1)
+        if bool(done.any()):
+            try:
+                self._score(done.nonzero().squeeze(-1), new_len, reward)
+            except RewardFunctionError:
+                self._rollback(previous)
+                raise
+        self._commit(action, active, new_len, resp_len, done)
+        return self._observation(done.unsqueeze(-1), terminated.unsqueeze(-1), truncated.unsqueeze(-1), reward)
+
+    def _advance(self, tensordict: TensorDictBase):
+        """Validate the action, write it into :attr:`tokens` and find the slots whose turn ended.
+
+        Returns ``(action, active, previous, new_len, resp_len, ended, limited)``: ``ended`` marks an
+        EOS / stop string, ``limited`` a budget or context limit (a truncation unless ``ended``).
+        """
         if not self._rt.is_reset:
             raise ResetNeeded("TokenEnv was stepped before reset(); call env.reset() first")
         action = self._check_action(tensordict.get(keys.ACTION))
@@ -237,23 +256,22 @@ class TokenEnv(EnvBase):
         previous = self.tokens[self._arange, seq_len]
         self.tokens[self._arange, seq_len] = torch.where(active, action, previous)
         new_len, resp_len = seq_len + active, s[keys.RESPONSE_LEN] + active
-        terminated = active & torch.isin(action, self._eos)
+        ended = active & torch.isin(action, self._eos)
         if self._stop.is_enabled:
-            terminated |= self._stop.hits(self.tokens, action, active & ~terminated, s[keys.PROMPT_LEN], new_len)
-        truncated = active & ~terminated & ((resp_len >= self.max_new_tokens) | (new_len >= self.max_length))
-        done = terminated | truncated
-        reward = torch.zeros(self.batch_size[0], 1)
-        if bool(done.any()):
-            try:
-                self._score(done.nonzero().squeeze(-1), new_len, reward)
-            except RewardFunctionError:
-                self.tokens[self._arange, seq_len] = previous  # roll back: a failed step leaves no trace
-                raise
-        # commit only after the reward function succeeded: a raising reward_fn leaves the env as it was
+            ended |= self._stop.hits(self.tokens, action, active & ~ended, s[keys.PROMPT_LEN], new_len)
+        limited = active & ((resp_len >= self.max_new_tokens) | (new_len >= self.max_length))
+        return action, active, previous, new_len, resp_len, ended, limited
+
+    def _rollback(self, previous: torch.Tensor) -> None:
+        """Undo :meth:`_advance`'s write: a failed step leaves no trace."""
+        self.tokens[self._arange, self._rt.state[keys.SEQ_LEN]] = previous
+
+    def _commit(self, action, active, new_len, resp_len, done) -> None:
+        """Make the step the env's state (only after every user callback succeeded)."""
+        s = self._rt.state
         s[keys.TOKEN] = torch.where(active, action, s[keys.TOKEN])
         s[keys.SEQ_LEN], s[keys.RESPONSE_LEN] = new_len, resp_len
         self._rt.done = done
-        return self._observation(done.unsqueeze(-1), terminated.unsqueeze(-1), truncated.unsqueeze(-1), reward)
 
     def _score(self, slots: torch.Tensor, new_len: torch.Tensor, reward: torch.Tensor) -> None:
         if self.reward_fn is None:

@@ -105,7 +105,7 @@ def _wrong_dtype(env, out):
 @pytest.mark.parametrize(
     ("corrupt", "match"),
     [
-        (_reward_not_done, r"reward only where done failed at step 0, slot 0: reward 1.0 but done=False"),
+        (_reward_not_done, r"reward only where done or a turn ends failed at step 0, slot 0: reward 1.0 but done=False"),
         (_both_flags, r"terminated and truncated never both failed at step \d+, slot \d"),
         (
             _done_not_or,

@@ -1,0 +1,168 @@
+"""MultiTurnTokenEnv: token-level env whose episodes span several turns, with env feedback appended in the slot."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from tensordict import TensorDictBase
+
+from tokengym.llm_envs import keys
+from tokengym.llm_envs.errors import RewardFunctionError
+from tokengym.llm_envs.token_env import TokenEnv
+
+__all__ = ["MultiTurnTokenEnv", "Turn", "TurnFn"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """What the environment answers to one finished turn.
+
+    Attributes:
+        reward: reward of this turn, given at its last token.
+        feedback: text appended as the next message (``None`` ends the episode).
+        role: chat role of the feedback message (``"user"``, or ``"tool"`` for a tool result).
+    """
+
+    reward: float
+    feedback: str | None = None
+    role: str = "user"
+
+
+TurnFn = Callable[[list[str], list[str], list[dict], list[int]], Sequence[Turn]]
+
+
+class MultiTurnTokenEnv(TokenEnv):
+    """A :class:`TokenEnv` where a turn ends on EOS / end-of-turn / stop string and the env may answer.
+
+    When a slot's turn ends, ``turn_fn(responses, prompts, metadata, turns)`` scores it (the text of
+    this turn only) and returns a :class:`Turn` per slot. Unless the episode is over (no feedback,
+    ``max_turns`` reached, or the feedback no longer fits), the feedback is rendered with the
+    tokenizer's chat template and written after the model's tokens in the same slot: no step is
+    emitted for those tokens, ``turn`` increases, ``prompt_len`` moves to the start of the new turn
+    and ``seq_len`` jumps, so a KV-cached policy prefills just the appended tokens. Token ids the model
+    produced are kept as they were. Budget and context limits truncate the episode (its last turn
+    is still scored).
+
+    Args:
+        prompts: as for :class:`TokenEnv`.
+        tokenizer: as for :class:`TokenEnv`.
+        turn_fn: scores turns and gives feedback.
+        max_turns: turns per episode (>= 1).
+        **kwargs: the other :class:`TokenEnv` arguments (``reward_fn`` is not used: ``turn_fn`` rewards).
+
+    Example:
+        >>> from tokengym.testing import tiny_tokenizer
+        >>> tok = tiny_tokenizer()
+        >>> fn = lambda r, p, m, t: [Turn(0.0, "try again") if ti == 0 else Turn(1.0) for ti in t]
+        >>> env = MultiTurnTokenEnv(["1+1="], tok, fn, max_turns=2, batch_size=1, max_length=64)
+        >>> td = env.reset(); eos = torch.tensor([tok.eos_token_id])
+        >>> out = env.step(td.set("action", eos))["next"]
+        >>> out["turn"].tolist(), out["done"].item(), int(out["seq_len"]) > int(td["seq_len"]) + 1
+        ([1], False, True)
+    """
+
+    def __init__(self, prompts, tokenizer, turn_fn: TurnFn, *, max_turns: int = 2, **kwargs) -> None:
+        if not callable(turn_fn):
+            raise TypeError(f"turn_fn must be callable(responses, prompts, metadata, turns), got {turn_fn!r}")
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+        if kwargs.get("reward_fn") is not None:
+            raise ValueError("MultiTurnTokenEnv rewards through turn_fn; pass reward_fn=None")
+        super().__init__(prompts, tokenizer, **kwargs)
+        self.turn_fn, self.max_turns = turn_fn, max_turns
+        self.turn_metrics = {"turns": 0, "feedback_tokens": 0}
+        # full token sequences (prompt, turns, feedback) of finished multi-turn episodes, by trajectory
+        # id, until a collector takes them (bounded: the oldest go first)
+        self.finished_sequences: dict[int, torch.Tensor] = {}
+        self.max_finished_sequences = 4096
+
+    def render(self, feedback: str, role: str) -> torch.Tensor:
+        """Token ids of a feedback message plus the generation prompt (chat template when there is one)."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": role, "content": feedback}], tokenize=False,
+                                           add_generation_prompt=True)  # fmt: skip
+        else:
+            text = f"\n{feedback}\n"
+        return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        action, active, previous, new_len, resp_len, ended, limited = self._advance(tensordict)
+        finished = ended | limited  # the turn is over; the env decides whether the episode is
+        reward = torch.zeros(self.batch_size[0], 1)
+        appended: dict[int, torch.Tensor] = {}
+        if bool(finished.any()):
+            try:
+                appended = self._answer_turns(finished, limited, new_len, reward)
+            except RewardFunctionError:
+                self._rollback(previous)
+                raise
+        terminated = ended.clone()
+        truncated = limited & ~ended
+        for b, ids in appended.items():  # continuing slots: write the feedback after the model's tokens
+            terminated[b] = False
+            start = int(new_len[b])
+            self.tokens[b, start : start + len(ids)] = ids
+        done = terminated | truncated
+        self._archive(done, new_len)
+        self._commit(action, active, new_len, resp_len, done)
+        self._continue_turns(appended, new_len)
+        return self._observation(done.unsqueeze(-1), terminated.unsqueeze(-1), truncated.unsqueeze(-1), reward)
+
+    def _answer_turns(self, finished, limited, new_len, reward) -> dict[int, torch.Tensor]:
+        slots = finished.nonzero().squeeze(-1).tolist()
+        s = self._rt.state
+        p_len = s[keys.PROMPT_LEN]
+        responses = self.tokenizer.batch_decode(
+            [self.tokens[b, int(p_len[b]) : int(new_len[b])] for b in slots], skip_special_tokens=True
+        )
+        prompts = [self._prompts[b] for b in slots]
+        turns = [int(s[keys.TURN][b]) for b in slots]
+        try:
+            outcomes = list(self.turn_fn(responses, [p.text for p in prompts], [p.metadata for p in prompts], turns))
+        except Exception as err:
+            raise RewardFunctionError(
+                f"turn_fn raised {type(err).__name__}: {err} for slots {slots} (first: prompt "
+                f"{prompts[0].index} {prompts[0].text[:60]!r}); the env state is unchanged"
+            ) from err
+        if len(outcomes) != len(slots) or not all(isinstance(o, Turn) for o in outcomes):
+            raise RewardFunctionError(
+                f"turn_fn must return one Turn per finished slot ({len(slots)} for slots {slots}), got {outcomes!r:.120}"
+            )
+        appended = {}
+        for b, turn_index, outcome in zip(slots, turns, outcomes, strict=True):
+            value = float(outcome.reward)
+            if value != value or value in (float("inf"), float("-inf")):
+                raise RewardFunctionError(f"turn_fn gave reward {value} for slot {b}; rewards must be finite")
+            reward[b, 0] = value
+            if outcome.feedback is None or bool(limited[b]) or turn_index + 1 >= self.max_turns:
+                continue
+            ids = self.render(outcome.feedback, outcome.role)
+            if int(new_len[b]) + len(ids) + 1 > self.max_length:
+                continue  # the feedback does not fit: the episode ends here
+            appended[b] = ids
+        return appended
+
+    def _archive(self, done: torch.Tensor, new_len: torch.Tensor) -> None:
+        traj = self._rt.state[keys.TRAJ_ID]
+        for b in done.nonzero().squeeze(-1).tolist():
+            if len(self.finished_sequences) >= self.max_finished_sequences:
+                self.finished_sequences.pop(next(iter(self.finished_sequences)))
+            self.finished_sequences[int(traj[b])] = self.tokens[b, : int(new_len[b])].clone()
+
+    def _continue_turns(self, appended: dict[int, torch.Tensor], new_len: torch.Tensor) -> None:
+        if not appended:
+            return
+        s = self._rt.state
+        s[keys.SEQ_LEN], s[keys.TOKEN] = s[keys.SEQ_LEN].clone(), s[keys.TOKEN].clone()
+        s[keys.PROMPT_LEN], s[keys.TURN] = s[keys.PROMPT_LEN].clone(), s[keys.TURN].clone()
+        for b, ids in appended.items():
+            end = int(new_len[b]) + len(ids)
+            s[keys.SEQ_LEN][b] = end
+            s[keys.PROMPT_LEN][b] = end
+            s[keys.TOKEN][b] = ids[-1]
+            s[keys.TURN][b] += 1
+            self.turn_metrics["feedback_tokens"] += len(ids)
+        self.turn_metrics["turns"] += len(appended)
