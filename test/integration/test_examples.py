@@ -1,0 +1,31 @@
+"""The examples run end to end in a quick mode (each well under 20 s on 2 CPU cores)."""
+
+from __future__ import annotations
+
+import pathlib
+import runpy
+import sys
+import time
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize(
+    ("script", "argv"),
+    [
+        ("ppo.py", ["--iterations", "2", "--quick"]),
+        ("grpo.py", ["--iterations", "2", "--quick"]),
+        ("custom_reward.py", ["--iterations", "2"]),
+    ],
+)
+def test_example_runs(script, argv, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    start = time.perf_counter()
+    runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    elapsed = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert out.count("\n") >= 2, out  # one line per iteration
+    assert "nan" not in out.lower(), out
+    assert elapsed < 20, f"{script} took {elapsed:.1f} s"
