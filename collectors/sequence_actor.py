@@ -7,7 +7,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
 from tokengym.llm_envs import keys
-from tokengym.transforms.scoring import batch_sequences
+from tokengym.transforms.scoring import sequence_layout
 
 __all__ = ["SequenceActor"]
 
@@ -38,12 +38,13 @@ class SequenceActor(TensorDictModuleBase):
 
     def logits(self, tensordict: TensorDictBase) -> torch.Tensor:
         """Logits (N, T, V) of each step's token distribution, temperature applied."""
-        tokens, attention_mask, width = batch_sequences(tensordict, pad_id=self.pad_token_id)
-        attention_mask = attention_mask.long()
+        layout = sequence_layout(tensordict, pad_id=self.pad_token_id)
+        attention_mask = layout.attention_mask.long()
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=tokens, attention_mask=attention_mask, position_ids=positions, use_cache=False)
-        steps = tensordict.shape[1]
-        return out.logits[:, width - 1 : width - 1 + steps].float() / self.temperature  # (N, T, V)
+        out = self.model(input_ids=layout.tokens, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+        # step t is predicted at the column before its token (multi-turn: feedback sits in between)
+        index = (layout.columns - 1)[..., None].expand(*layout.columns.shape, out.logits.shape[-1])
+        return out.logits.gather(1, index).float() / self.temperature  # (N, T, V)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         tensordict.set("logits", self.logits(tensordict))

@@ -29,8 +29,10 @@ from tokengym.transforms.kl_reward import KLEstimator, KLRewardTransform, kl_est
 from tokengym.transforms.layouts import dpo_pairs, padded_to_steps, to_packed, to_padded
 from tokengym.transforms.reward_shaping import ClipReward, MissingEOSPenalty, OverlongPenalty, ScaleReward
 from tokengym.transforms.scoring import (
+    SequenceLayout,
     batch_sequences,
     check_trajectory_rows,
+    sequence_layout,
     sequence_log_probs,
     step_log_probs,
 )
@@ -38,6 +40,8 @@ from tokengym.transforms.trajectories import split_trajectories
 from tokengym.transforms.turn_discount import TurnDiscount
 
 __all__ = [
+    "SequenceLayout",
+    "sequence_layout",
     "AdaptiveKLController",
     "AdvantageEstimator",
     "BatchTransform",

@@ -121,13 +121,3 @@ def get_prompts(td: TensorDictBase, prompts: PromptTable | None, owner: str) -> 
     if not isinstance(prompts, PromptTable):
         raise TypeError(f"{owner} expects prompts to be a PromptTable, got {type(prompts).__name__}")
     return prompts
-
-
-def check_single_turn(td: TensorDictBase, owner: str) -> None:
-    """Raise ValueError on multi-turn batches: their env-inserted tokens are not in the step batch."""
-    turn = td.get(keys.TURN, None)
-    if turn is not None and bool((turn[valid_mask(td)] > 0).any()):
-        raise ValueError(
-            f"{owner} rebuilds sequences as prompt + generated tokens, but this batch has turns > 0 whose "
-            f"env-inserted tokens are not stored in it; use it on single-turn batches only."
-        )

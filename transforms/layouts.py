@@ -15,7 +15,7 @@ from tokengym.llm_envs import keys
 from tokengym.llm_envs.prompt_table import PromptTable
 from tokengym.transforms._checks import check_batch, found_keys
 from tokengym.transforms.group_advantages import sequence_scores
-from tokengym.transforms.scoring import batch_sequences
+from tokengym.transforms.scoring import sequence_layout
 
 __all__ = ["to_padded", "padded_to_steps", "to_packed", "dpo_pairs"]
 
@@ -28,6 +28,9 @@ def to_padded(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_
     Writes ``keys.TOKENS``, ``keys.ATTENTION_MASK``, ``keys.ACTION_MASK`` (generated tokens),
     ``keys.POSITION_IDS`` and, token-aligned in the response columns, every step key of ``batch``
     (0 / False in the prompt columns). ``keys.RESPONSE_START`` (non-tensor) holds ``P``.
+    Multi-turn rows (``keys.TURN > 0``) hold their full sequence from the PromptTable: env feedback
+    sits between the turns with ``ACTION_MASK`` False and step keys 0, and step ``t`` is at column
+    ``P + seq_len[t] - seq_len[0]`` (see :func:`~tokengym.transforms.scoring.sequence_layout`).
 
     Args:
         batch: TRAJECTORIES batch [N, T] (see :func:`~tokengym.transforms.split_trajectories`).
@@ -42,18 +45,25 @@ def to_padded(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_
         >>> p[keys.TOKENS].tolist(), p[keys.ACTION_MASK].tolist()
         ([[7, 8, 3, 4], [7, 8, 5, 0]], [[False, False, True, True], [False, False, True, False]])
     """
-    tokens, attention_mask, width = batch_sequences(batch, prompts, pad_id=pad_id)
+    layout = sequence_layout(batch, prompts, pad_id=pad_id)
+    tokens, attention_mask, width = layout.tokens, layout.attention_mask, layout.response_start
     n, steps = batch.batch_size
     data = batch.exclude(keys.PROMPTS)
+    length = tokens.shape[1]
+    columns = layout.columns
+    is_contiguous = length == width + steps and bool((columns == width + torch.arange(steps, device=columns.device)).all())
+    rows = torch.arange(n, device=columns.device)[:, None].expand(n, steps)
 
-    def pad_left(x: torch.Tensor) -> torch.Tensor:
-        out = x.new_zeros((n, width + steps, *x.shape[2:]))
-        out[:, width:] = x
+    def place(x: torch.Tensor) -> torch.Tensor:  # every step at its column, 0 elsewhere
+        out = x.new_zeros((n, length, *x.shape[2:]))
+        if is_contiguous:
+            out[:, width:] = x
+        else:
+            out[rows, columns] = x
         return out
 
-    out = data.apply(pad_left, batch_size=[n, width + steps])
-    action_mask = torch.zeros_like(attention_mask)
-    action_mask[:, width:] = attention_mask[:, width:]
+    out = data.apply(place, batch_size=[n, length])
+    action_mask = layout.action_mask
     out.set(keys.TOKENS, tokens)
     out.set(keys.ATTENTION_MASK, attention_mask)
     out.set(keys.ACTION_MASK, action_mask)
@@ -82,10 +92,37 @@ def padded_to_steps(padded: TensorDictBase) -> TensorDictBase:
     if width is None:
         raise KeyError(f"padded_to_steps reads {keys.RESPONSE_START!r} (tokengym.llm_envs.keys), written by "
                        f"to_padded, but got keys {found_keys(padded)}")  # fmt: skip
-    steps = padded.exclude(*_LAYOUT_KEYS, keys.RESPONSE_START, keys.PROMPTS)[:, int(width):]
+    data = padded.exclude(*_LAYOUT_KEYS, keys.RESPONSE_START, keys.PROMPTS)
+    columns = _step_columns(padded, int(width))
+    if columns is None:
+        steps = data[:, int(width) :]
+    else:
+        n, t = columns.shape
+        rows = torch.arange(n, device=columns.device)[:, None]
+        steps = data.apply(lambda x: x[rows, columns], batch_size=[n, t])
     if padded.get(keys.PROMPTS, None) is not None:
         steps.set_non_tensor(keys.PROMPTS, padded.get_non_tensor(keys.PROMPTS))
     return steps
+
+
+def _step_columns(padded: TensorDictBase, width: int) -> torch.Tensor | None:
+    """Columns of the steps in a multi-turn padded layout (``None`` when they are ``[width, L)``).
+
+    Inverts :func:`~tokengym.transforms.scoring.sequence_layout`: valid steps are the generated
+    tokens in order, then the padding steps fill the columns after each row's last token.
+    """
+    generated = padded.get(keys.ACTION_MASK)[:, width:]
+    attended = padded.get(keys.ATTENTION_MASK)[:, width:]
+    if bool((generated == attended).all()):
+        return None
+    n, length = generated.shape
+    n_steps, tail_len = generated.sum(-1), attended.sum(-1)
+    steps = int((length - tail_len + n_steps).min())  # the row with the most padding steps fills the width
+    t = torch.arange(steps, device=generated.device)
+    cols = torch.arange(length, device=generated.device)
+    order = torch.where(generated, cols, length).sort(-1).values[:, :steps]  # generated, in order
+    pad_cols = tail_len[:, None] + t - n_steps[:, None]
+    return width + torch.where(t < n_steps[:, None], order, pad_cols)
 
 
 def to_packed(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_id: int = 0) -> TensorDictBase:

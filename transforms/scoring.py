@@ -5,6 +5,8 @@ The collectors' policy, the KL transform (reference log-probs) and the losses sh
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from tensordict import TensorDictBase
 
@@ -13,13 +15,13 @@ from tokengym.llm_envs.prompt_table import PromptTable
 from tokengym.transforms._checks import (
     check_batch,
     check_number,
-    check_single_turn,
     get_prompts,
     require,
     valid_mask,
 )
 
-__all__ = ["sequence_log_probs", "batch_sequences", "step_log_probs", "check_trajectory_rows"]
+__all__ = ["SequenceLayout", "sequence_log_probs", "sequence_layout", "batch_sequences", "step_log_probs",
+           "check_trajectory_rows"]
 
 
 def sequence_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, *,
@@ -96,9 +98,127 @@ def check_trajectory_rows(batch: TensorDictBase, owner: str) -> torch.Tensor:
     return mask
 
 
+class SequenceLayout(NamedTuple):
+    """Token ids of every trajectory of a batch and where each step's action sits in them.
+
+    Attributes:
+        tokens: int64 (N, L): left-padded first prompt, then the rest of the sequence right-padded.
+        attention_mask: bool (N, L): False on padding.
+        action_mask: bool (N, L): True exactly on the tokens the policy generated (not on prompts
+            or env-inserted multi-turn feedback).
+        response_start: ``P``, the column of the first response token.
+        columns: int64 (N, T): the column of step ``t``'s action. Valid steps sit at
+            ``P + seq_len[t] - seq_len[0]`` (``P + t`` single-turn); padding steps fill the columns
+            after the row's last token, in order, so every step has its own column.
+    """
+
+    tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    response_start: int
+    columns: torch.Tensor
+
+
+def _multi_turn_rows(batch: TensorDictBase, mask: torch.Tensor) -> torch.Tensor:
+    turn = batch.get(keys.TURN, None)
+    if turn is None:
+        return torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+    return ((turn > 0) & mask).any(-1)
+
+
+def _tails(batch, table, mask, multi, lengths, pad_id, owner) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per row: the tokens after the first prompt, and each valid step's offset into them."""
+    action = batch.get(keys.ACTION)
+    n_steps = mask.sum(-1).tolist()
+    offsets = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape).clone()  # (N, T)
+    if bool(multi.any()):
+        seq_len = require(batch, keys.SEQ_LEN, owner)
+        offsets = torch.where(multi[:, None], seq_len - seq_len[:, :1], offsets)
+    traj = batch.get(keys.TRAJ_ID)[:, 0].tolist()
+    tails = []
+    for i, is_multi in enumerate(multi.tolist()):
+        if not is_multi:
+            tails.append(action[i, : n_steps[i]])
+            continue
+        full = table.sequence(traj[i]).to(action.device)
+        tail = full[int(lengths[i]) :]
+        steps = offsets[i, : n_steps[i]]
+        if len(steps) and (int(steps.min()) < 0 or int(steps.max()) >= len(tail)
+                           or not bool((tail[steps] == action[i, : n_steps[i]]).all())):  # fmt: skip
+            raise ValueError(
+                f"{owner}: the PromptTable's sequence of trajectory {traj[i]} does not hold row {i}'s actions at "
+                f"their {keys.SEQ_LEN!r} positions; the batch and its prompt table do not match"
+            )
+        tails.append(tail)
+    return tails, offsets
+
+
+def sequence_layout(batch: TensorDictBase, prompts: PromptTable | None = None, *,
+                    pad_id: int = 0) -> SequenceLayout:  # fmt: skip
+    """The :class:`SequenceLayout` of a TRAJECTORIES batch, single- or multi-turn.
+
+    Single-turn rows are prompt + actions. Rows with ``keys.TURN > 0`` take their full sequence
+    (prompt, turns and env feedback) from the PromptTable (``table.sequence(traj_id)``, recorded by
+    the collector), where step ``t``'s action is at position ``keys.SEQ_LEN`` of the step.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> table = PromptTable(); table.add(0, torch.tensor([7, 8])); table.add_sequence(0, torch.tensor([7, 8, 3, 9, 9, 4]))
+        >>> b = TensorDict({keys.ACTION: torch.tensor([[3, 4]]), keys.GROUP_ID: torch.zeros(1, 2, dtype=torch.long),
+        ...                 keys.TRAJ_ID: torch.zeros(1, 2, dtype=torch.long), keys.TURN: torch.tensor([[0, 1]]),
+        ...                 keys.SEQ_LEN: torch.tensor([[2, 5]])}, [1, 2])
+        >>> lay = sequence_layout(b, table)
+        >>> lay.tokens.tolist(), lay.action_mask.long().tolist(), lay.columns.tolist()
+        ([[7, 8, 3, 9, 9, 4]], [[0, 0, 1, 0, 0, 1]], [[2, 5]])
+    """
+    owner = "batch_sequences"
+    mask = check_trajectory_rows(batch, owner)
+    table = get_prompts(batch, prompts, owner)
+    action = require(batch, keys.ACTION, owner)
+    group = require(batch, keys.GROUP_ID, owner)[:, 0]
+    device, (n, steps) = action.device, mask.shape
+    # one left_padded row per group (not per sequence), then gathered for every sequence
+    unique, inverse = torch.unique(group, return_inverse=True)
+    prompt, lengths = table.left_padded(unique.cpu(), pad_id=pad_id)
+    prompt, lengths = prompt.to(device)[inverse], lengths.to(device)[inverse]
+    if bool((lengths == 0).any()):
+        raise ValueError(f"{owner}: group {int(group[lengths == 0][0])} has an empty prompt; nothing to condition on")
+    width = prompt.shape[1]
+    prompt_mask = torch.arange(width, device=device) >= (width - lengths)[:, None]  # (N, P)
+    multi = _multi_turn_rows(batch, mask)
+    if not bool(multi.any()):  # single-turn: the response is the actions, step t at column P + t
+        response = torch.where(mask, action, torch.full_like(action, pad_id))
+        columns = width + torch.arange(steps, device=device).expand(n, steps)
+        tokens = torch.cat([prompt, response], dim=1)
+        attention_mask = torch.cat([prompt_mask, mask], dim=1)
+        action_mask = torch.cat([torch.zeros_like(prompt_mask), mask], dim=1)
+        return SequenceLayout(tokens, attention_mask, action_mask, width, columns)
+    tails, offsets = _tails(batch, table, mask, multi, lengths, pad_id, owner)
+    tail_len = torch.tensor([len(t) for t in tails], dtype=torch.int64, device=device)
+    n_steps = mask.sum(-1)
+    # padding steps go after the row's last token, so every step keeps a column of its own
+    t = torch.arange(steps, device=device)
+    offsets = torch.where(mask, offsets, tail_len[:, None] + t - n_steps[:, None])
+    length = max(int((tail_len - n_steps).max()) + steps, 1)
+    response = torch.full((n, length), pad_id, dtype=torch.int64, device=device)
+    for i, tail in enumerate(tails):
+        response[i, : len(tail)] = tail
+    response_mask = torch.arange(length, device=device) < tail_len[:, None]
+    generated = torch.zeros_like(response_mask)
+    rows = torch.arange(n, device=device)[:, None].expand(n, steps)
+    generated[rows[mask], offsets[mask]] = True
+    tokens = torch.cat([prompt, response], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    action_mask = torch.cat([torch.zeros_like(prompt_mask), generated], dim=1)
+    return SequenceLayout(tokens, attention_mask, action_mask, width, width + offsets)
+
+
 def batch_sequences(batch: TensorDictBase, prompts: PromptTable | None = None, *,
                     pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
     """Left-padded prompt + right-padded response of every row of a TRAJECTORIES batch.
+
+    Multi-turn rows (``keys.TURN > 0``) hold their full sequence, env feedback included; see
+    :func:`sequence_layout` for where each step's action sits (``P + t`` on single-turn rows).
 
     Args:
         batch: collected batch [N, T] with ``keys.ACTION``, ``keys.GROUP_ID``, ``keys.TRAJ_ID``.
@@ -106,8 +226,8 @@ def batch_sequences(batch: TensorDictBase, prompts: PromptTable | None = None, *
         pad_id: token id used for padding.
 
     Returns:
-        ``(tokens, attention_mask, P)``: int64 (N, P + T), bool (N, P + T), and the prompt width ``P``;
-        response step ``t`` of row ``i`` is at column ``P + t``.
+        ``(tokens, attention_mask, P)``: int64 (N, L), bool (N, L), and the prompt width ``P``;
+        single-turn, response step ``t`` of row ``i`` is at column ``P + t``.
 
     Example:
         >>> from tensordict import TensorDict
@@ -118,24 +238,8 @@ def batch_sequences(batch: TensorDictBase, prompts: PromptTable | None = None, *
         >>> tokens.tolist(), width
         ([[7, 8, 3, 4], [0, 9, 5, 0]], 2)
     """
-    owner = "batch_sequences"
-    mask = check_trajectory_rows(batch, owner)
-    check_single_turn(batch, owner)
-    table = get_prompts(batch, prompts, owner)
-    action = require(batch, keys.ACTION, owner)
-    group = require(batch, keys.GROUP_ID, owner)[:, 0]
-    # one left_padded row per group (not per sequence), then gathered for every sequence
-    unique, inverse = torch.unique(group, return_inverse=True)
-    prompt, lengths = table.left_padded(unique.cpu(), pad_id=pad_id)
-    prompt, lengths = prompt.to(action.device)[inverse], lengths.to(action.device)[inverse]
-    if bool((lengths == 0).any()):
-        raise ValueError(f"{owner}: group {int(group[lengths == 0][0])} has an empty prompt; nothing to condition on")
-    width = prompt.shape[1]
-    prompt_mask = torch.arange(width, device=action.device) >= (width - lengths)[:, None]  # (N, P)
-    response = torch.where(mask, action, torch.full_like(action, pad_id))
-    tokens = torch.cat([prompt, response], dim=1)
-    attention_mask = torch.cat([prompt_mask, mask], dim=1)
-    return tokens, attention_mask, width
+    layout = sequence_layout(batch, prompts, pad_id=pad_id)
+    return layout.tokens, layout.attention_mask, layout.response_start
 
 
 @torch.no_grad()
@@ -162,6 +266,7 @@ def step_log_probs(model, batch: TensorDictBase, prompts: PromptTable | None = N
         >>> step_log_probs(tiny_model(tiny_tokenizer()), b, table).shape
         torch.Size([1, 2])
     """
-    tokens, attention_mask, width = batch_sequences(batch, prompts, pad_id=pad_id)
-    logp = sequence_log_probs(model, tokens, attention_mask, temperature=temperature)
-    return logp[:, width:]
+    layout = sequence_layout(batch, prompts, pad_id=pad_id)
+    logp = sequence_log_probs(model, layout.tokens, layout.attention_mask, temperature=temperature)
+    out = logp.gather(1, layout.columns)  # (N, T)
+    return torch.where(valid_mask(batch), out, torch.zeros_like(out))

@@ -16,10 +16,19 @@ from tokengym.llm_envs.tasks.countdown import (
     make_countdown_env,
 )
 from tokengym.llm_envs.tasks.files import load_prompt_file
+from tokengym.llm_envs.tasks.multi_turn_math import (
+    TOOL_HINT,
+    WRONG_FEEDBACK,
+    MultiTurnMathFeedback,
+    make_multi_turn_math_env,
+)
 from tokengym.llm_envs.tasks.reversal import ReversalReward, make_reversal_env, reversal_prompts
 
 __all__ = [
     "CountdownReward",
+    "MultiTurnMathFeedback",
+    "TOOL_HINT",
+    "WRONG_FEEDBACK",
     "ReversalReward",
     "arithmetic_prompts",
     "arithmetic_reward",
@@ -28,6 +37,7 @@ __all__ = [
     "load_prompt_file",
     "make_arithmetic_env",
     "make_countdown_env",
+    "make_multi_turn_math_env",
     "make_reversal_env",
     "reversal_prompts",
 ]

@@ -77,6 +77,6 @@ def test_bad_args(lm):
         empty.add(g, torch.zeros(0, dtype=torch.long))
     with pytest.raises(ValueError, match="empty prompt"):
         batch_sequences(batch, empty)
-    batch[keys.TURN][0, 1] = 1
-    with pytest.raises(ValueError, match="turns > 0"):
+    batch[keys.TURN][0, 1] = 1  # multi-turn rows need their full sequence in the table
+    with pytest.raises(KeyError, match="trajectory id 0 is not in this PromptTable"):
         batch_sequences(batch)

@@ -1,0 +1,148 @@
+import pytest
+import torch
+
+from tokengym.collectors import TokenCollector
+from tokengym.llm_envs import RewardFunctionError, check_env, keys
+from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
+from tokengym.llm_envs.tasks import WRONG_FEEDBACK, MultiTurnMathFeedback, make_multi_turn_math_env
+from tokengym.transforms import ScaleReward, TurnDiscount, to_padded
+from tokengym.transforms.scoring import sequence_layout
+
+PROMPTS = [{"prompt": "12+7=", "answer": "19"}, {"prompt": "3+4=", "answer": "7"}]
+
+
+class ScriptedPolicy:
+    """Writes ``scripts[slot][turn][i]`` as the i-th token of a turn, then EOS (log-prob 0, version 0)."""
+
+    def __init__(self, scripts: dict[int, list[list[int]]], eos: int) -> None:
+        self.scripts, self.eos, self.version = scripts, eos, 0
+
+    def __call__(self, td):
+        turn, pos = td.get(keys.TURN), td.get(keys.SEQ_LEN) - td.get(keys.PROMPT_LEN)
+        action = []
+        for b in range(len(turn)):
+            script = self.scripts[b][min(int(turn[b]), len(self.scripts[b]) - 1)]
+            action.append(script[int(pos[b])] if int(pos[b]) < len(script) else self.eos)
+        td.set(keys.ACTION, torch.tensor(action, dtype=torch.int64))
+        td.set(keys.ACTION_LOG_PROB, torch.zeros(len(turn)))
+        td.set(keys.POLICY_VERSION, torch.zeros(len(turn), dtype=torch.int64))
+        return td
+
+
+def _ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture
+def scripted(tokenizer):
+    env = MultiTurnTokenEnv(PROMPTS, tokenizer, MultiTurnMathFeedback(wrong=-0.5), max_turns=3, batch_size=2,
+                            max_new_tokens=16, max_length=128)  # fmt: skip
+    # slot 0: "12" (wrong), then "19" (right); slot 1: "7" (right at once)
+    policy = ScriptedPolicy({0: [_ids(tokenizer, "12"), _ids(tokenizer, "19")], 1: [_ids(tokenizer, "7")]},
+                            tokenizer.eos_token_id)  # fmt: skip
+    batch = next(iter(TokenCollector(env, policy, mode="trajectories", batch_size=2, total_steps=20)))
+    order = batch[keys.GROUP_ID][:, 0].argsort()
+    batch = batch[order]
+    batch.set_non_tensor(keys.PROMPTS, batch.get_non_tensor(keys.PROMPTS))
+    return env, batch
+
+
+def test_scripted_rewards_turns_and_steps(scripted, tokenizer):
+    env, batch = scripted
+    n0, n1 = len(_ids(tokenizer, "12")) + 1, len(_ids(tokenizer, "19")) + 1
+    mask = batch[keys.MASK]
+    assert mask.sum(-1).tolist() == [n0 + n1, len(_ids(tokenizer, "7")) + 1]  # one step per generated token
+    reward = batch[keys.REWARD].squeeze(-1)
+    assert reward[0, : n0 + n1].tolist() == [0.0] * (n0 - 1) + [-0.5] + [0.0] * (n1 - 1) + [1.0]
+    assert reward[1, mask[1]].tolist()[-1] == 1.0
+    assert batch[keys.TURN][0, : n0 + n1].tolist() == [0] * n0 + [1] * n1
+    assert batch[keys.DONE].squeeze(-1)[0, : n0 + n1].tolist() == [False] * (n0 + n1 - 1) + [True]
+    # feedback: the user message + generation prompt, in the full sequence, with no step of its own
+    full = batch.get_non_tensor(keys.PROMPTS).sequence(int(batch[keys.TRAJ_ID][0, 0]))
+    feedback = env.render(WRONG_FEEDBACK, "user")
+    prompt_len = int(batch[keys.SEQ_LEN][0, 0])
+    table, actions = batch.get_non_tensor(keys.PROMPTS), batch[keys.ACTION][0]
+    expect = [*table.ids(int(batch[keys.GROUP_ID][0, 0])).tolist(), *actions[:n0].tolist(), *feedback.tolist(),
+              *actions[n0 : n0 + n1].tolist()]  # fmt: skip
+    assert full.tolist() == expect
+    assert int(batch[keys.SEQ_LEN][0, n0]) == prompt_len + n0 + len(feedback)  # seq_len jumps over the feedback
+    turns = env.turn_metrics["turns"]  # refilled slots may have started more episodes
+    assert turns >= 1 and env.turn_metrics["feedback_tokens"] == turns * len(feedback)
+
+
+def test_turn_discount_and_scale_reward(scripted, tokenizer):
+    _, batch = scripted
+    n0 = len(_ids(tokenizer, "12")) + 1
+    last = int(batch[keys.MASK][0].sum()) - 1
+    discounted = TurnDiscount(0.5)(batch.clone())[keys.REWARD].squeeze(-1)
+    assert discounted[0, n0 - 1].item() == pytest.approx(-0.5 + 0.5 * 1.0)
+    assert discounted[0, last].item() == 1.0
+    scaled = ScaleReward(scale=2.0, bias=0.25)(batch.clone())[keys.REWARD].squeeze(-1)
+    assert scaled[0, last].item() == pytest.approx((1.0 - 0.25) * 2.0)  # the done step
+    assert scaled[0, n0 - 1].item() == -0.5  # a turn's reward (not done) is left alone
+
+
+def test_padded_action_mask_marks_generated_tokens_only(scripted, tokenizer):
+    env, batch = scripted
+    padded = to_padded(batch, pad_id=tokenizer.pad_token_id)
+    action_mask, tokens = padded[keys.ACTION_MASK], padded[keys.TOKENS]
+    width = padded.get_non_tensor(keys.RESPONSE_START)
+    mask = batch[keys.MASK]
+    assert action_mask.sum(-1).tolist() == mask.sum(-1).tolist()
+    assert tokens[action_mask].tolist() == batch[keys.ACTION][mask].tolist()
+    feedback = env.render(WRONG_FEEDBACK, "user")
+    n0 = len(_ids(tokenizer, "12")) + 1
+    gap = slice(width + n0, width + n0 + len(feedback))
+    assert tokens[0, gap].tolist() == feedback.tolist() and not action_mask[0, gap].any()
+    assert not action_mask[:, :width].any()
+    layout = sequence_layout(batch)
+    assert torch.equal(layout.tokens.gather(1, layout.columns)[mask], batch[keys.ACTION][mask])
+
+
+def test_check_env_passes(tokenizer):
+    fn = lambda r, p, m, t: [Turn(0.5, "again") if ti < 2 else Turn(1.0) for ti in t]  # noqa: E731
+    env = MultiTurnTokenEnv(["1+1=", "2+2=", "3+3="], tokenizer, fn, max_turns=3, batch_size=3, max_new_tokens=8,
+                            max_length=64)  # fmt: skip
+    check_env(env, steps=60)
+    assert env.turn_metrics["turns"] > 0
+    check_env(make_multi_turn_math_env(batch_size=2, n_prompts=4, max_new_tokens=8), steps=40)
+
+
+@pytest.mark.parametrize("max_turns", [0, -1, 1.5, True])
+def test_bad_max_turns(tokenizer, max_turns):
+    with pytest.raises(ValueError, match="max_turns must be an int >= 1"):
+        MultiTurnTokenEnv(["1+1="], tokenizer, lambda *a: [], max_turns=max_turns)
+
+
+def test_bad_turn_fn_and_reward_fn(tokenizer):
+    with pytest.raises(TypeError, match="turn_fn must be callable"):
+        MultiTurnTokenEnv(["1+1="], tokenizer, "not a function")
+    with pytest.raises(ValueError, match="rewards through turn_fn; pass reward_fn=None"):
+        MultiTurnTokenEnv(["1+1="], tokenizer, lambda *a: [], reward_fn=lambda *a: [1.0])
+    with pytest.raises(ValueError, match="max_turns must be an int >= 1"):
+        make_multi_turn_math_env(max_turns=0)
+
+
+def _boom(*args):
+    raise RuntimeError("scorer down")
+
+
+@pytest.mark.parametrize(
+    ("turn_fn", "match"),
+    [
+        (_boom, r"turn_fn raised RuntimeError: scorer down for slots \[0, 1\]"),
+        (lambda r, p, m, t: [Turn(1.0)], r"one Turn per finished slot \(2 for slots \[0, 1\]\)"),
+        (lambda r, p, m, t: [1.0, 1.0], r"one Turn per finished slot"),
+        (lambda r, p, m, t: [Turn(float("nan"))] * 2, r"reward nan for slot 0; rewards must be finite"),
+    ],
+)
+def test_failing_turn_fn_leaves_env_unchanged(tokenizer, turn_fn, match):
+    env = MultiTurnTokenEnv(["1+1=", "2+2="], tokenizer, turn_fn, max_turns=2, batch_size=2, max_length=64)
+    td = env.reset()
+    before = env.state_dict()
+    with pytest.raises(RewardFunctionError, match=match):
+        env.step(td.set(keys.ACTION, torch.full((2,), tokenizer.eos_token_id)))
+    after = env.state_dict()
+    assert torch.equal(before["tokens"], after["tokens"])
+    assert all(torch.equal(before["state"][k], after["state"][k]) for k in before["state"])
+    assert not env.finished_sequences
