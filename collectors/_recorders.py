@@ -8,7 +8,9 @@ from tensordict import TensorDict
 from tokengym.llm_envs import keys
 
 STEP_ROOT = (*keys.OBSERVATION_KEYS, keys.ACTION, keys.ACTION_LOG_PROB, keys.POLICY_VERSION, keys.RAW_LOG_PROB)
-STEP_NEXT = (*keys.OBSERVATION_KEYS, "reward", "done", "terminated", "truncated")
+# ids and ``active`` are constant within a step, so the collected ("next", ...) keeps only what moves
+STEP_NEXT = (keys.TOKEN, keys.SEQ_LEN, keys.PROMPT_LEN, keys.RESPONSE_LEN, keys.TURN,
+             "reward", "done", "terminated", "truncated")  # fmt: skip
 
 
 def flat_step(td, nxt) -> dict:
@@ -26,30 +28,63 @@ def to_tensordict(flat: dict, batch_size) -> TensorDict:
     return out
 
 
+class _Packer:
+    """Packs a step's tensors into one tensor per dtype, so a step is written with a few copies."""
+
+    def __init__(self, flat: dict, lead: int) -> None:
+        self.groups: dict[torch.dtype, list[tuple[str, tuple]]] = {}
+        for name, v in flat.items():
+            self.groups.setdefault(v.dtype, []).append((name, tuple(v.shape[lead:])))
+
+    def pack(self, flat: dict, lead: tuple) -> dict[torch.dtype, torch.Tensor]:
+        return {
+            dtype: torch.cat([flat[name].reshape(*lead, -1) for name, _ in names], dim=-1)
+            for dtype, names in self.groups.items()
+        }
+
+    def unpack(self, packed: dict[torch.dtype, torch.Tensor]) -> dict:
+        out = {}
+        for dtype, names in self.groups.items():
+            offset, data = 0, packed[dtype]
+            for name, trailing in names:
+                width = 1
+                for d in trailing:
+                    width *= d
+                out[name] = data[..., offset : offset + width].reshape(*data.shape[:-1], *trailing)
+                offset += width
+        return out
+
+
 class StepRecorder:
     """Fills (B, T) buffers one step (or one chunk of steps) at a time."""
 
     def __init__(self, steps: int) -> None:
-        self.steps, self.t, self.buf = steps, 0, None
+        self.steps, self.t, self.buf, self._packer = steps, 0, None, None
 
     def write(self, flat: dict) -> None:
         """Write a chunk of steps: each tensor is (B, k, ...) with k <= free columns."""
+        first = next(iter(flat.values()))
+        B, k = first.shape[:2]
         if self.buf is None:
-            self.buf = {
-                k: v.new_empty(v.shape[0], self.steps, *v.shape[2:]) for k, v in flat.items()
-            }
-        k = next(iter(flat.values())).shape[1]
-        for name, v in flat.items():
-            self.buf[name][:, self.t : self.t + k] = v
+            self._packer = _Packer(flat, lead=2)
+            self.buf = {dt: v.new_empty(B, self.steps, v.shape[-1]) for dt, v in self._packer.pack(flat, (B, k)).items()}
+        for dtype, v in self._packer.pack(flat, (B, k)).items():
+            self.buf[dtype][:, self.t : self.t + k] = v
         self.t += k
 
     @property
     def free(self) -> int:
         return self.steps - self.t
 
+    def truncate(self) -> None:
+        """Keep only the columns written so far (a last, shorter batch)."""
+        self.steps = self.t
+        self.buf = {dt: v[:, : self.t] for dt, v in self.buf.items()}
+
     def pop(self) -> dict:
-        buf, self.buf, self.t = self.buf, None, 0
-        return buf
+        out = {name: v.clone() for name, v in self._packer.unpack(self.buf).items()}  # own storage per key
+        self.buf, self.t = None, 0
+        return out
 
 
 class TrajectoryRecorder:

@@ -21,7 +21,8 @@ class SlotKVCache:
 
     def __init__(self, model, batch_size: int) -> None:
         self.model, self.batch_size = model, batch_size
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = self._empty_layers(batch_size)
+        # one DynamicCache lives across steps: rebuilding it per step would copy every layer's KV
+        self.cache = self._new_cache(self._empty_layers(batch_size))
         self.mask = torch.zeros(batch_size, 0, dtype=torch.int64)  # (B, C)
         self.length = torch.zeros(batch_size, dtype=torch.int64)  # tokens of each slot in the cache
 
@@ -37,15 +38,28 @@ class SlotKVCache:
             for layer in cache.layers
         ]  # fmt: skip
 
+    def _new_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        for i, (k, v) in enumerate(kv):
+            cache.update(k, v, i)
+        return cache
+
+    @property
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys and values of every layer, (B, H, C, D) each."""
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    @kv.setter
+    def kv(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, (k, v) in zip(self.cache.layers, kv, strict=True):
+            layer.keys, layer.values = k, v
+
     @property
     def columns(self) -> int:
         return self.mask.shape[1]
 
-    def _cache(self, rows: torch.Tensor | None = None) -> DynamicCache:
-        cache = DynamicCache(config=self.model.config)
-        for i, (k, v) in enumerate(self.kv):
-            cache.update(k if rows is None else k[rows], v if rows is None else v[rows], i)
-        return cache
+    def _cache(self, rows: torch.Tensor) -> DynamicCache:
+        return self._new_cache([(k[rows], v[rows]) for k, v in self.kv])
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         """Forget the cached tokens of ``rows`` (their prefix will be extended from empty)."""
@@ -68,6 +82,7 @@ class SlotKVCache:
             if len(seg):
                 ids[i, width - len(seg) :] = seg
                 seg_mask[i, width - len(seg) :] = 1
+        self._maybe_compact()  # refilled rows left holes: drop them before growing the cache
         positions = (self.length[rows, None] + seg_mask.cumsum(-1) - 1).clamp(min=0)
         attention = torch.cat([self.mask[rows], seg_mask], dim=1)
         sub = self._cache(rows)
@@ -93,16 +108,22 @@ class SlotKVCache:
         """Feed one token per slot (B,), appended where ``live``; returns next-token logits (B, V)."""
         new_col = live.to(self.mask.dtype)[:, None]
         attention = torch.cat([self.mask, new_col], dim=1)  # (B, C+1)
-        cache = self._cache()
         out = self.model(
-            input_ids=tokens[:, None], attention_mask=attention, position_ids=self.length[:, None], past_key_values=cache
+            input_ids=tokens[:, None],
+            attention_mask=attention,
+            position_ids=self.length[:, None],
+            past_key_values=self.cache,
         )
-        self.kv = [(layer.keys, layer.values) for layer in cache.layers]
         self.mask = attention
         self.length = self.length + live
-        if self.columns > 2 * int(self.length.max()) + 64:
-            self.compact()
+        self._maybe_compact()
         return out.logits[:, -1]
+
+    def _maybe_compact(self) -> None:
+        # a compaction costs about one decode step's KV append, so squeezing holes once they pass 25%
+        # keeps attention and appends near the live length for a negligible amortized price
+        if self.columns > int(1.25 * int(self.length.max())) + 8:
+            self.compact()
 
     def compact(self) -> None:
         """Squeeze out holes: right-align every row's valid columns (O(B * C), amortized O(1) per step)."""
