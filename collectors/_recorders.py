@@ -15,8 +15,12 @@ STEP_NEXT = (keys.TOKEN, keys.SEQ_LEN, keys.PROMPT_LEN, keys.RESPONSE_LEN, keys.
 
 def flat_step(td, nxt) -> dict:
     """The tensors of one step (B, ...) keyed by flat names (``"next.reward"``): O(1) in length."""
-    out = {k: td.get(k) for k in STEP_ROOT if k in td.keys()}
-    out.update({f"next.{k}": nxt.get(k) for k in STEP_NEXT})
+    root = getattr(td, "_tensordict", None)  # a plain TensorDict's dict: skips get()'s key parsing
+    root = root if root is not None else td.to_dict()
+    out = {k: root[k] for k in STEP_ROOT if k in root}
+    nxt_dict = getattr(nxt, "_tensordict", None)
+    nxt_dict = nxt_dict if nxt_dict is not None else nxt.to_dict()
+    out.update({f"next.{k}": nxt_dict[k] for k in STEP_NEXT})
     return out
 
 

@@ -67,6 +67,7 @@ class TransformersPolicy(TensorDictModuleBase):
         if return_raw_log_prob:
             self.out_keys = [*self.out_keys, keys.RAW_LOG_PROB]
         self.version = 0
+        self._version_tensor: torch.Tensor | None = None
         self.generator = torch.Generator().manual_seed(seed)
         self.reset_cache()
 
@@ -79,10 +80,11 @@ class TransformersPolicy(TensorDictModuleBase):
     # -- stepping --
     def _sync(self, seq_len: torch.Tensor, traj: torch.Tensor, active: torch.Tensor) -> None:
         """Prefill new slots and extend slots whose sequence grew by env-inserted tokens."""
+        stale = (traj != self._traj) | (self.cache.length < seq_len - 1)
+        if not bool((stale & active).any()):  # the common step: one check, no Python per slot
+            return
         is_new = active & (traj != self._traj)
         behind = active & (self.cache.length < seq_len - 1)
-        if not bool((is_new | behind).any()):
-            return
         if bool(is_new.any()):
             self.cache.reset_rows(is_new.nonzero().squeeze(-1))
             self._traj = torch.where(is_new, traj, self._traj)
@@ -98,11 +100,14 @@ class TransformersPolicy(TensorDictModuleBase):
         traj, active = tensordict.get(keys.TRAJ_ID), tensordict.get(keys.ACTIVE)
         self._sync(seq_len, traj, active)
         logits = self.cache.decode(token, active)
-        logits = torch.where(active[:, None], logits, torch.zeros_like(logits))  # idle rows attend nothing
+        if not bool(active.all()):
+            logits = torch.where(active[:, None], logits, torch.zeros_like(logits))  # idle rows attend nothing
         action, logp, raw = sample_tokens(logits, self.sampling, self.generator)
         tensordict.set(keys.ACTION, action)
         tensordict.set(keys.ACTION_LOG_PROB, logp)
-        tensordict.set(keys.POLICY_VERSION, torch.full_like(action, self.version))
+        if self._version_tensor is None or int(self._version_tensor[0]) != self.version:
+            self._version_tensor = torch.full_like(action, self.version)
+        tensordict.set(keys.POLICY_VERSION, self._version_tensor)  # shared: nobody writes it in place
         if self.return_raw_log_prob:
             tensordict.set(keys.RAW_LOG_PROB, raw)
         return tensordict
