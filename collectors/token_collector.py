@@ -173,7 +173,7 @@ class TokenCollector:
         """A last, shorter batch: the steps or finished trajectories collected before the end."""
         if self.mode is CollectMode.STEPS and self._rec.t > 0:
             self._rec.truncate()
-            return self._finish(self._rec.pop(), time.perf_counter(), self.steps_done)
+            return self._finish(self._pop(), time.perf_counter(), self.steps_done)
         if self.mode is CollectMode.TRAJECTORIES and self._rec.finished:
             return self._finish(self._rec.pop(len(self._rec.finished)), time.perf_counter(), self.steps_done)
         return None

@@ -145,14 +145,29 @@ class TransformersPolicy(TensorDictModuleBase):
         return self.version
 
     def state_dict_rng(self) -> dict:
-        """Sampling state to checkpoint: generator state and version (weights are the user's)."""
-        return {"generator": self.generator.get_state(), "version": self.version}
+        """State to checkpoint: generator, version and the KV cache (weights are the user's to save).
+
+        The cache is saved rather than rebuilt on resume: a re-prefill gives log-probs that differ in
+        the last bits, and a resumed run must yield exactly what the uninterrupted one would have.
+        """
+        cache = self.cache
+        return {
+            "generator": self.generator.get_state(),
+            "version": self.version,
+            "cache": {"kv": [(k.clone(), v.clone()) for k, v in cache.kv], "mask": cache.mask.clone(),
+                      "length": cache.length.clone(), "traj": self._traj.clone()},
+        }  # fmt: skip
 
     def load_state_dict_rng(self, state: dict) -> None:
-        """Restore :meth:`state_dict_rng`; the KV cache is rebuilt from the env on the next call."""
+        """Restore :meth:`state_dict_rng`."""
         self.generator.set_state(state["generator"])
         self.version = state["version"]
         self.reset_cache()
+        saved = state.get("cache")
+        if saved is not None:
+            self.cache.kv = [(k.clone(), v.clone()) for k, v in saved["kv"]]
+            self.cache.mask, self.cache.length = saved["mask"].clone(), saved["length"].clone()
+            self._traj = saved["traj"].clone()
 
 
 class _SamplingProcessor(LogitsProcessor):
