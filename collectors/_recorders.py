@@ -7,21 +7,35 @@ from tensordict import TensorDict
 
 from tokengym.llm_envs import keys
 
-STEP_ROOT = (*keys.OBSERVATION_KEYS, keys.ACTION, keys.ACTION_LOG_PROB, keys.POLICY_VERSION, keys.RAW_LOG_PROB)
-# ids and ``active`` are constant within a step, so the collected ("next", ...) keeps only what moves
-STEP_NEXT = (keys.TOKEN, keys.SEQ_LEN, keys.PROMPT_LEN, keys.RESPONSE_LEN, keys.TURN,
-             "reward", "done", "terminated", "truncated")  # fmt: skip
+# ids and ``active`` are constant within a step, so the collected ("next", ...) leaves them out
+_NEXT_SKIP = (keys.TRAJ_ID, keys.GROUP_ID, keys.SAMPLE_ID, keys.ACTIVE)
+_ROOT_SKIP = ("next", "_reset", "reward", *keys.DONE_KEYS)  # done flags live under "next"
 
 
-def flat_step(td, nxt) -> dict:
-    """The tensors of one step (B, ...) keyed by flat names (``"next.reward"``): O(1) in length."""
-    root = getattr(td, "_tensordict", None)  # a plain TensorDict's dict: skips get()'s key parsing
-    root = root if root is not None else td.to_dict()
-    out = {k: root[k] for k in STEP_ROOT if k in root}
-    nxt_dict = getattr(nxt, "_tensordict", None)
-    nxt_dict = nxt_dict if nxt_dict is not None else nxt.to_dict()
-    out.update({f"next.{k}": nxt_dict[k] for k in STEP_NEXT})
-    return out
+class StepKeys:
+    """Which tensors of a step get recorded: every top-level tensor the policy, the env and its
+    transforms wrote (found once, on the first step), so e.g. ``keys.REF_LOG_PROB`` and
+    ``("next", "reward_raw")`` from a KL transform inside a ``TransformedEnv`` are kept."""
+
+    def __init__(self) -> None:
+        self.root: tuple[str, ...] | None = None
+        self.next: tuple[str, ...] = ()
+
+    def flat(self, td, nxt) -> dict:
+        """The tensors of one step (B, ...) keyed by flat names (``"next.reward"``): O(1) in length."""
+        root = _as_dict(td)
+        nxt_dict = _as_dict(nxt)
+        if self.root is None:
+            self.root = tuple(k for k, v in root.items() if k not in _ROOT_SKIP and isinstance(v, torch.Tensor))
+            self.next = tuple(k for k, v in nxt_dict.items() if k not in _NEXT_SKIP and isinstance(v, torch.Tensor))
+        out = {k: root[k] for k in self.root}
+        out.update({f"next.{k}": nxt_dict[k] for k in self.next})
+        return out
+
+
+def _as_dict(td) -> dict:
+    inner = getattr(td, "_tensordict", None)  # a plain TensorDict's dict: skips get()'s key parsing
+    return inner if inner is not None else {k: td.get(k) for k in td.keys()}
 
 
 def to_tensordict(flat: dict, batch_size) -> TensorDict:

@@ -25,6 +25,7 @@ class SlotKVCache:
         self.cache = self._new_cache(self._empty_layers(batch_size))
         self.mask = torch.zeros(batch_size, 0, dtype=torch.int64)  # (B, C)
         self.length = torch.zeros(batch_size, dtype=torch.int64)  # tokens of each slot in the cache
+        self.traj = torch.full((batch_size,), -1, dtype=torch.int64)  # trajectory each row holds
 
     def _empty_layers(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Probe the model once with one token to learn (H, D) and dtype per layer."""
@@ -60,6 +61,23 @@ class SlotKVCache:
 
     def _cache(self, rows: torch.Tensor) -> DynamicCache:
         return self._new_cache([(k[rows], v[rows]) for k, v in self.kv])
+
+    def sync(self, tokens: torch.Tensor, seq_len: torch.Tensor, traj: torch.Tensor, active: torch.Tensor) -> None:
+        """Catch every live slot up with the env: prefill new trajectories, extend with env-inserted tokens.
+
+        ``tokens`` is the env's (B, L) buffer. After this, each active slot caches all its tokens but
+        the last, which the next :meth:`decode` feeds.
+        """
+        stale = (traj != self.traj) | (self.length < seq_len - 1)
+        if not bool((stale & active).any()):  # the common step: one check, no Python per slot
+            return
+        is_new = active & (traj != self.traj)
+        if bool(is_new.any()):
+            self.reset_rows(is_new.nonzero().squeeze(-1))
+            self.traj = torch.where(is_new, traj, self.traj)
+        rows = (active & (is_new | (self.length < seq_len - 1))).nonzero().squeeze(-1)
+        segments = [tokens[b, int(self.length[b]) : int(seq_len[b]) - 1] for b in rows.tolist()]
+        self.extend(rows, segments)
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         """Forget the cached tokens of ``rows`` (their prefix will be extended from empty)."""

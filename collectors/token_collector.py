@@ -10,7 +10,7 @@ from enum import StrEnum
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from tokengym.collectors._recorders import StepRecorder, TrajectoryRecorder, flat_step, to_tensordict
+from tokengym.collectors._recorders import StepKeys, StepRecorder, TrajectoryRecorder, to_tensordict
 from tokengym.llm_envs import PromptTable, TokenEnv, keys
 
 __all__ = ["CollectMode", "TokenCollector"]
@@ -94,6 +94,7 @@ class TokenCollector:
         self._is_fast = env is base  # a bare TokenEnv skips EnvBase.step's generic checks
         self.steps_done, self._obs, self.metrics = 0, None, {}
         self._prompts = PromptTable()
+        self._step_keys = StepKeys()
         self._new_recorder()
 
     def _new_recorder(self) -> None:
@@ -131,7 +132,7 @@ class TokenCollector:
                 self._remember_prompts(done.reshape(-1).nonzero().squeeze(-1).tolist())
         self.steps_done += 1
         self._take_sequences()
-        return flat_step(td, nxt)
+        return self._step_keys.flat(td, nxt)
 
     def _take_sequences(self) -> None:
         """Move the full sequences of finished multi-turn episodes into the prompt table."""

@@ -75,30 +75,13 @@ class TransformersPolicy(TensorDictModuleBase):
         """Drop every cached slot; the next call prefills all slots from the env's token buffer."""
         B = self.env.batch_size[0]
         self.cache = SlotKVCache(self.model, B)
-        self._traj = torch.full((B,), -1, dtype=torch.int64)
 
     # -- stepping --
-    def _sync(self, seq_len: torch.Tensor, traj: torch.Tensor, active: torch.Tensor) -> None:
-        """Prefill new slots and extend slots whose sequence grew by env-inserted tokens."""
-        stale = (traj != self._traj) | (self.cache.length < seq_len - 1)
-        if not bool((stale & active).any()):  # the common step: one check, no Python per slot
-            return
-        is_new = active & (traj != self._traj)
-        behind = active & (self.cache.length < seq_len - 1)
-        if bool(is_new.any()):
-            self.cache.reset_rows(is_new.nonzero().squeeze(-1))
-            self._traj = torch.where(is_new, traj, self._traj)
-        rows = (is_new | behind).nonzero().squeeze(-1)
-        tokens = self.env.tokens
-        # the last token of the sequence is fed by the decode step; the cache holds everything before it
-        segments = [tokens[b, int(self.cache.length[b]) : int(seq_len[b]) - 1] for b in rows.tolist()]
-        self.cache.extend(rows, segments)
-
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Write ``action``, ``action_log_prob`` and ``policy_version`` for every slot."""
         token, seq_len = tensordict.get(keys.TOKEN), tensordict.get(keys.SEQ_LEN)
         traj, active = tensordict.get(keys.TRAJ_ID), tensordict.get(keys.ACTIVE)
-        self._sync(seq_len, traj, active)
+        self.cache.sync(self.env.tokens, seq_len, traj, active)
         logits = self.cache.decode(token, active)
         if not bool(active.all()):
             logits = torch.where(active[:, None], logits, torch.zeros_like(logits))  # idle rows attend nothing
@@ -155,7 +138,7 @@ class TransformersPolicy(TensorDictModuleBase):
             "generator": self.generator.get_state(),
             "version": self.version,
             "cache": {"kv": [(k.clone(), v.clone()) for k, v in cache.kv], "mask": cache.mask.clone(),
-                      "length": cache.length.clone(), "traj": self._traj.clone()},
+                      "length": cache.length.clone(), "traj": cache.traj.clone()},
         }  # fmt: skip
 
     def load_state_dict_rng(self, state: dict) -> None:
@@ -167,7 +150,7 @@ class TransformersPolicy(TensorDictModuleBase):
         if saved is not None:
             self.cache.kv = [(k.clone(), v.clone()) for k, v in saved["kv"]]
             self.cache.mask, self.cache.length = saved["mask"].clone(), saved["length"].clone()
-            self._traj = saved["traj"].clone()
+            self.cache.traj = saved["traj"].clone()
 
 
 class _SamplingProcessor(LogitsProcessor):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from tokengym.collectors._recorders import STEP_NEXT, STEP_ROOT
 from tokengym.collectors.token_collector import CollectMode, TokenCollector
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.unroll import unroll_wave
@@ -52,9 +51,7 @@ class UnrollCollector(TokenCollector):
         td.set(keys.POLICY_VERSION, torch.full_like(td.get(keys.ACTION), self.policy.version))
         if getattr(self.policy, "return_raw_log_prob", False):
             td.set(keys.RAW_LOG_PROB, raw[:, :T])
-        flat = {k: td.get(k) for k in STEP_ROOT if k in td.keys()}
-        flat.update({f"next.{k}": td.get(("next", k)) for k in STEP_NEXT})
-        return flat
+        return self._step_keys.flat(td, td.get("next"))
 
     def _collect_some(self) -> None:
         if self.mode is CollectMode.TRAJECTORIES:

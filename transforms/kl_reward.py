@@ -204,6 +204,17 @@ class KLRewardTransform(BatchTransform):
         self._shape(tensordict, next_tensordict, _next(keys.REWARD), kl)
         return next_tensordict
 
+    def transform_output_spec(self, output_spec):
+        """Inside a TransformedEnv: declare ``reward_raw`` / ``reward_kl`` (float (B, 1)) as step outputs."""
+        from torchrl.data import Unbounded
+
+        output_spec = output_spec.clone()
+        reward_spec = output_spec["full_reward_spec"][keys.REWARD[1]]
+        obs = output_spec["full_observation_spec"]
+        for key in (keys.REWARD_RAW[1], keys.REWARD_KL[1]):
+            obs[key] = Unbounded(shape=reward_spec.shape, dtype=reward_spec.dtype, device=reward_spec.device)
+        return output_spec
+
     def get_extra_state(self) -> dict:
         """Controller state, saved with ``state_dict()``."""
         return {"controller": self.controller.state_dict()}
