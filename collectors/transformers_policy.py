@@ -95,6 +95,27 @@ class TransformersPolicy(TensorDictModuleBase):
             tensordict.set(keys.RAW_LOG_PROB, raw)
         return tensordict
 
+    # -- teacher-forced scoring --
+    @torch.no_grad()
+    def score(self, batch: TensorDictBase, *, with_entropy: bool = False):
+        """Log-probs (N, T) of every step's action in a TRAJECTORIES batch, in one teacher-forced forward.
+
+        Uses the sampling temperature (not top-k / top-p), so with an unfiltered sampler it
+        reproduces ``action_log_prob`` of a batch collected under the same weights. With
+        ``with_entropy`` also returns the per-step entropy (N, T). Padding steps hold 0.
+        """
+        from tokengym.collectors.sequence_actor import SequenceActor
+
+        actor = SequenceActor(self.model, pad_token_id=self.env.tokenizer.pad_token_id,
+                              temperature=self.sampling.temperature)  # fmt: skip
+        logp = actor.logits(batch).log_softmax(-1)  # (N, T, V)
+        mask = batch.get(keys.MASK)
+        picked = logp.gather(-1, batch.get(keys.ACTION)[..., None]).squeeze(-1) * mask
+        if not with_entropy:
+            return picked
+        entropy = -(logp.exp() * logp).sum(-1) * mask
+        return picked, entropy
+
     # -- generate-then-unroll --
     @torch.no_grad()
     def generate_wave(self, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int):

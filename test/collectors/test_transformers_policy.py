@@ -107,3 +107,16 @@ def test_model_without_cache_and_bad_sampling(tokenizer, make_env):
         TransformersPolicy(model, env)
     with pytest.raises(TypeError, match=r"model must be a transformers causal LM, got int"):
         TransformersPolicy(3, env)
+
+
+def test_score_reproduces_the_sampling_log_probs(make_env, make_policy):
+    from tokengym.collectors import TokenCollector
+    from tokengym.llm_envs import keys
+
+    env = make_env(batch_size=3, max_new_tokens=5, eos_token_ids=list(range(1, 512, 9)))
+    policy = make_policy(env, sampling=SamplingConfig(temperature=0.8))
+    batch = next(iter(TokenCollector(env, policy, mode="trajectories", batch_size=4)))
+    mask = batch[keys.MASK]
+    logp, entropy = policy.score(batch, with_entropy=True)
+    assert torch.allclose(logp[mask], batch[keys.ACTION_LOG_PROB][mask], atol=1e-5)
+    assert bool((entropy[mask] > 0).all()) and bool((entropy[~mask] == 0).all())
