@@ -124,13 +124,15 @@ class TrajectoryRecorder:
             self.buf[name][rows, cols] = v[rows]
         done = flat["next.done"].reshape(-1)[rows]
         for b, n in zip(rows[done].tolist(), (cols[done] + 1).tolist(), strict=True):
-            self.finished.append(({k: v[b].clone() for k, v in self.buf.items()}, n))
+            row = {k: v[b, :n].clone() for k, v in self.buf.items()}  # steps past n hold an older trajectory
+            self.finished.append((row, n))
 
     def write_rows(self, flat: dict) -> None:
         """Add whole trajectories (rows of (B, T, ...)), e.g. a generate-then-unroll wave."""
         lengths = flat[keys.ACTIVE].sum(1)
         for b in (lengths > 0).nonzero().squeeze(-1).tolist():
-            self.finished.append(({k: v[b] for k, v in flat.items()}, int(lengths[b])))
+            n = int(lengths[b])
+            self.finished.append(({k: v[b, :n] for k, v in flat.items()}, n))
 
     def pop(self, n: int) -> dict:
         """Right-padded (n, T) tensors of the first ``n`` finished trajectories, plus the mask."""

@@ -45,6 +45,8 @@ def test_trajectory_batches_hold_complete_trajectories(make_env, make_policy):
         assert done.sum(1).tolist() == [1] * 5 and bool(done[torch.arange(5), n - 1].all())
         assert bool((batch["response_len"][mask] < 6).all())
         assert bool((batch["traj_id"] == batch["traj_id"][:, :1])[mask].all())
+        for key in ("action", ("next", "reward"), ("next", "done"), "action_log_prob"):  # padding is zeros
+            assert not bool(batch[key].reshape(*mask.shape, -1)[~mask].any()), key
 
 
 def test_prompt_table_reproduces_the_env_sequences(make_env, make_policy):

@@ -46,6 +46,11 @@ def test_unroll_equals_stepping(make_env, make_policy, sampling, stop_strings):
 
 
 def test_unroll_steps_mode_is_a_wave_scheme(make_env, make_policy):
+    env = make_env(batch_size=3, max_new_tokens=6, eos_token_ids=EOS_IDS)
+    padded = next(iter(UnrollCollector(env, make_policy(env), mode="trajectories", batch_size=5,
+                                       total_steps=30)))  # fmt: skip
+    assert bool((~padded[keys.MASK]).any())
+    assert not bool(padded["action"][~padded[keys.MASK]].any())  # padding is zeros, not generate's pads
     env = make_env(batch_size=3, max_new_tokens=6)
     batches = list(UnrollCollector(env, make_policy(env), mode="steps", batch_size=4, total_steps=12))
     assert [tuple(b.shape) for b in batches] == [(3, 4)] * 3
