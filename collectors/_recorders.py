@@ -9,7 +9,7 @@ from tokengym.llm_envs import keys
 
 # ids and ``active`` are constant within a step, so the collected ("next", ...) leaves them out
 _NEXT_SKIP = (keys.TRAJ_ID, keys.GROUP_ID, keys.SAMPLE_ID, keys.ACTIVE)
-_ROOT_SKIP = ("next", "_reset", "reward", *keys.DONE_KEYS)  # done flags live under "next"
+_ROOT_SKIP = (keys.NEXT, keys.RESET, keys.REWARD[1], *keys.DONE_KEYS)  # done flags live under "next"
 
 
 class StepKeys:

@@ -28,7 +28,7 @@ class SequenceActor(TensorDictModuleBase):
     """
 
     in_keys = [keys.ACTION, keys.GROUP_ID, keys.TRAJ_ID, keys.MASK, keys.PROMPTS]
-    out_keys = ["logits"]
+    out_keys = [keys.LOGITS]
 
     def __init__(self, model, *, pad_token_id: int, temperature: float = 1.0) -> None:
         super().__init__()
@@ -47,7 +47,7 @@ class SequenceActor(TensorDictModuleBase):
         return out.logits.gather(1, index).float() / self.temperature  # (N, T, V)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        tensordict.set("logits", self.logits(tensordict))
+        tensordict.set(keys.LOGITS, self.logits(tensordict))
         return tensordict
 
     def get_dist(self, tensordict: TensorDictBase) -> torch.distributions.Categorical:

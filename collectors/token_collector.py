@@ -118,16 +118,16 @@ class TokenCollector:
         td = self.policy(self._obs)
         if self._is_fast:
             nxt = self.env._step(td)
-            done = nxt.get("done")
+            done = nxt.get(keys.DONE[1])
             if bool(done.any()):
-                self._obs = self.env._reset(TensorDict({"_reset": done}, self.env.batch_size))
+                self._obs = self.env._reset(TensorDict({keys.RESET: done}, self.env.batch_size))
                 self._remember_prompts(done.reshape(-1).nonzero().squeeze(-1).tolist())
             else:
                 self._obs = nxt
         else:
             out, self._obs = self.env.step_and_maybe_reset(td)
-            nxt = out.get("next")
-            done = nxt.get("done")
+            nxt = out.get(keys.NEXT)
+            done = nxt.get(keys.DONE[1])
             if bool(done.any()):
                 self._remember_prompts(done.reshape(-1).nonzero().squeeze(-1).tolist())
         self.steps_done += 1
@@ -222,7 +222,7 @@ class TokenCollector:
         done = batch.get(keys.DONE).squeeze(-1) & mask
         n_done = int(done.sum())
         reward = batch.get(keys.REWARD_RAW if keys.REWARD_RAW in batch.keys(True) else keys.REWARD).squeeze(-1)
-        resp = batch.get(("next", keys.RESPONSE_LEN))
+        resp = batch.get((keys.NEXT, keys.RESPONSE_LEN))
         tokens = int(mask.sum())
         self.metrics = {
             "tokens": tokens,

@@ -51,7 +51,7 @@ class UnrollCollector(TokenCollector):
         td.set(keys.POLICY_VERSION, torch.full_like(td.get(keys.ACTION), self.policy.version))
         if getattr(self.policy, "return_raw_log_prob", False):
             td.set(keys.RAW_LOG_PROB, raw[:, :T])
-        return self._step_keys.flat(td, td.get("next"))
+        return self._step_keys.flat(td, td.get(keys.NEXT))
 
     def _collect_some(self) -> None:
         if self.mode is CollectMode.TRAJECTORIES:

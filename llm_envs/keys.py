@@ -76,6 +76,8 @@ KL = "kl"
 # -- written by the collector --
 MASK = ("collector", "mask")
 NEXT = "next"  # the sub-TensorDict of a step's outcome
+RESET = "_reset"  # bool (B, 1) torchrl partial-reset mask
+LOGITS = "logits"  # float32 (N, T, V) per-step logits written by SequenceActor
 PROMPTS = ("collector", "prompts")
 VERSION_START = ("collector", "version_start")  # int64 (N, T) policy version of the trajectory's first token
 VERSION_END = ("collector", "version_end")  # int64 (N, T) policy version of its last token

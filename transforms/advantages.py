@@ -20,7 +20,7 @@ from tokengym.transforms._checks import check_number, require, sequence_index, s
 
 __all__ = ["AdvantageEstimator", "GAEAdvantage", "DiscountedReturns", "discounted_returns", "masked_whiten"]
 
-_NEXT_VALUE = ("next", keys.STATE_VALUE)
+_NEXT_VALUE = (keys.NEXT, keys.STATE_VALUE)
 
 
 class AdvantageEstimator(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we support 3.10)
