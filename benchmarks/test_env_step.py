@@ -16,7 +16,7 @@ from tensordict import TensorDict
 from torchrl.envs import LLMHashingEnv
 
 from tokengym.llm_envs import TokenEnv, keys
-from tokengym.llm_envs.testing import tiny_tokenizer
+from tokengym.testing import tiny_tokenizer
 
 BATCHES = (8, 32)
 LENGTHS = (128, 2048)

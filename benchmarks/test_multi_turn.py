@@ -24,7 +24,7 @@ import torch
 from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
-from tokengym.llm_envs.testing import tiny_model, tiny_tokenizer
+from tokengym.testing import tiny_model, tiny_tokenizer
 
 B, TURNS, TURN_TOKENS = 8, 4, 64
 FEEDBACK = "Your answer is wrong. Please check your work and try again."

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tokengym.llm_envs import keys
+from tokengym.testing import make_trajectory_batch
 from tokengym.transforms import KLRewardTransform, make_advantage, to_padded
-from tokengym.transforms.testing import make_trajectory_batch
 
 torch.set_num_threads(1)
 

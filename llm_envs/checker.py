@@ -48,7 +48,7 @@ def check_env(env: EnvBase, *, steps: int = 48, seed: int = 0) -> None:
 
     Example:
         >>> from tokengym.llm_envs import TokenEnv
-        >>> from tokengym.llm_envs.testing import tiny_tokenizer
+        >>> from tokengym.testing import tiny_tokenizer
         >>> env = TokenEnv(["1+1=", "2+2="], tiny_tokenizer(), batch_size=2, max_new_tokens=4, max_length=32)
         >>> check_env(env, steps=8)
     """

@@ -51,7 +51,7 @@ class PromptSource:
         epochs: passes over a sized source; ``None`` repeats forever.
 
     Example:
-        >>> from tokengym.llm_envs.testing import tiny_tokenizer
+        >>> from tokengym.testing import tiny_tokenizer
         >>> src = PromptSource([{"prompt": "1+1=", "answer": "2"}], tiny_tokenizer(), group_size=2, epochs=1)
         >>> [(p.text, p.group_id, p.sample_id, p.metadata) for p in src]
         [('1+1=', 0, 0, {'answer': '2'}), ('1+1=', 0, 1, {'answer': '2'})]

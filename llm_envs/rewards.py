@@ -157,7 +157,7 @@ class RewardModelReward:
         max_length: truncate longer texts (from the left, keeping the response); ``None``: no limit.
 
     Example:
-        >>> from tokengym.llm_envs.testing import tiny_reward_model, tiny_tokenizer
+        >>> from tokengym.testing import tiny_reward_model, tiny_tokenizer
         >>> tok = tiny_tokenizer()
         >>> rm = RewardModelReward(tiny_reward_model(tok), tok)
         >>> rm(["19", "20"], ["12+7=", "12+7="], [{}, {}]).shape

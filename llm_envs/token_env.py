@@ -54,7 +54,7 @@ class TokenEnv(EnvBase):
         shuffle: shuffle a sized prompt source every epoch.
 
     Example:
-        >>> from tokengym.llm_envs.testing import tiny_tokenizer
+        >>> from tokengym.testing import tiny_tokenizer
         >>> tok = tiny_tokenizer()
         >>> env = TokenEnv(["1+1=", "2+2="], tok, batch_size=2, max_new_tokens=3, max_length=32)
         >>> td = env.reset()

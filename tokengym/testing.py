@@ -1,6 +1,17 @@
-"""Offline tiny models and tokenizers (re-exported from :mod:`tokengym.llm_envs.testing`)."""
+"""Offline tiny models and tokenizers, and synthetic collected batches, for tests, examples and benchmarks.
 
-from tokengym.llm_envs.testing import (  # noqa: F401
+Nothing is downloaded: the tokenizer and models come from :mod:`tokengym.llm_envs.tiny_models`;
+:func:`make_trajectory_batch` builds a collected batch without an env or a model.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from tokengym.llm_envs import keys
+from tokengym.llm_envs.prompt_table import PromptTable
+from tokengym.llm_envs.tiny_models import (
     CHAT_TEMPLATE,
     FAMILIES,
     SIZES,
@@ -9,4 +20,110 @@ from tokengym.llm_envs.testing import (  # noqa: F401
     tiny_tokenizer,
 )
 
-__all__ = ["CHAT_TEMPLATE", "FAMILIES", "SIZES", "tiny_model", "tiny_reward_model", "tiny_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "FAMILIES",
+    "SIZES",
+    "make_trajectory_batch",
+    "tiny_model",
+    "tiny_reward_model",
+    "tiny_tokenizer",
+    "to_steps_layout",
+]
+
+
+def make_trajectory_batch(lengths, rewards=None, *, group_size: int = 1, steps: int | None = None,
+                          prompt_len: int = 3, vocab: int = 50, truncated=None, seed: int = 0) -> TensorDict:  # fmt: skip
+    """A TRAJECTORIES batch [N, T]: row ``i`` is one trajectory of ``lengths[i]`` tokens, right-padded.
+
+    Args:
+        lengths: response length of each trajectory (>= 1).
+        rewards: task reward of each trajectory (at its last step); random by default.
+        group_size: consecutive rows share a group id (``group_id = i // group_size``).
+        steps: ``T`` (>= max length); defaults to the longest trajectory.
+        prompt_len: every prompt has ``prompt_len + group_id % 3`` tokens.
+        vocab: token ids are drawn in ``[2, vocab)``.
+        truncated: bool per trajectory: truncated (no EOS) instead of terminated.
+        seed: seed of the random tokens and log-probs.
+
+    Example:
+        >>> b = make_trajectory_batch([2, 3], [1.0, 0.0], group_size=2)
+        >>> b.batch_size, b[keys.MASK].tolist(), b[keys.REWARD].squeeze(-1).tolist()
+        (torch.Size([2, 3]), [[True, True, False], [True, True, True]], [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    """
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    n = len(lengths)
+    width = int(lengths.max()) if steps is None else steps
+    rewards = torch.rand(n, generator=gen) if rewards is None else torch.as_tensor(rewards, dtype=torch.float32)
+    truncated = torch.zeros(n, dtype=torch.bool) if truncated is None else torch.as_tensor(truncated, dtype=torch.bool)
+    t = torch.arange(width)
+    mask = t < lengths[:, None]  # (N, T)
+    last = t == (lengths - 1)[:, None]
+    rows = torch.arange(n)
+    group = (rows // group_size)[:, None].expand(n, width)
+    prompt_lens = prompt_len + group[:, 0] % 3
+    log_prob = -torch.rand(n, width, generator=gen) * 3 * mask
+    table = PromptTable()
+    for g in group[:, 0].unique().tolist():
+        table.add(g, torch.randint(2, vocab, (prompt_len + g % 3,), generator=gen))
+    i64 = {"dtype": torch.int64}
+    td = TensorDict(
+        {
+            keys.ACTION: torch.randint(2, vocab, (n, width), generator=gen) * mask,
+            keys.ACTION_LOG_PROB: log_prob,
+            keys.REF_LOG_PROB: log_prob - torch.rand(n, width, generator=gen) * mask,
+            keys.TRAJ_ID: rows[:, None].expand(n, width).clone(),
+            keys.GROUP_ID: group.clone(),
+            keys.SAMPLE_ID: (rows % group_size)[:, None].expand(n, width).clone(),
+            keys.TURN: torch.zeros(n, width, **i64),
+            keys.POLICY_VERSION: torch.zeros(n, width, **i64),
+            keys.RESPONSE_LEN: t.expand(n, width) * mask,
+            keys.PROMPT_LEN: prompt_lens[:, None].expand(n, width) * mask,
+            keys.SEQ_LEN: (prompt_lens[:, None] + t) * mask,
+            keys.ACTIVE: mask.clone(),
+            keys.REWARD: (last * rewards[:, None]).unsqueeze(-1),
+            keys.DONE: last.unsqueeze(-1),
+            keys.TERMINATED: (last & ~truncated[:, None]).unsqueeze(-1),
+            keys.TRUNCATED: (last & truncated[:, None]).unsqueeze(-1),
+            keys.MASK: mask,
+        },
+        batch_size=[n, width],
+    )
+    td.set_non_tensor(keys.PROMPTS, table)
+    return td
+
+
+def to_steps_layout(batch: TensorDict, rows: int) -> TensorDict:
+    """Pack the trajectories of a TRAJECTORIES batch back to back into ``rows`` rows (a STEPS-style batch).
+
+    Trajectory ``i`` goes to row ``i % rows``; rows are right-padded with ``keys.MASK`` False.
+
+    Example:
+        >>> s = to_steps_layout(make_trajectory_batch([2, 1, 3]), rows=2)
+        >>> s[keys.TRAJ_ID].tolist(), s[keys.MASK].tolist()
+        ([[0, 0, 2, 2, 2], [1, 0, 0, 0, 0]], [[True, True, True, True, True], [True, False, False, False, False]])
+    """
+    mask = batch.get(keys.MASK)
+    lengths = mask.sum(-1)
+    n = len(lengths)
+    row = torch.arange(n) % rows
+    # start column of trajectory i in its row: the lengths of the earlier ones in that row
+    same_row_before = (row[None, :] == row[:, None]) & (torch.arange(n)[None, :] < torch.arange(n)[:, None])
+    start = (same_row_before * lengths[None, :]).sum(-1)
+    width = int(torch.zeros(rows, dtype=torch.int64).index_add_(0, row, lengths).max())
+    data = batch.exclude(keys.PROMPTS)[mask]
+    traj = torch.arange(n)[:, None].expand_as(mask)[mask]
+    col = (start[:, None] + torch.arange(mask.shape[1]))[mask]
+
+    def place(x):
+        out = x.new_zeros((rows, width, *x.shape[1:]))
+        out[row[traj], col] = x
+        return out
+
+    out = data.apply(place, batch_size=[rows, width])
+    filled = torch.zeros(rows, width, dtype=torch.bool)
+    filled[row[traj], col] = True
+    out.set(keys.MASK, filled)
+    out.set_non_tensor(keys.PROMPTS, batch.get_non_tensor(keys.PROMPTS))
+    return out

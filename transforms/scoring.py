@@ -43,7 +43,7 @@ def sequence_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor
         ValueError: on shape mismatch or ``temperature <= 0``.
 
     Example:
-        >>> from tokengym.llm_envs.testing import tiny_tokenizer, tiny_model
+        >>> from tokengym.testing import tiny_tokenizer, tiny_model
         >>> model = tiny_model(tiny_tokenizer())
         >>> tokens = torch.tensor([[0, 5, 6, 7], [4, 5, 6, 7]])
         >>> lp = sequence_log_probs(model, tokens, tokens.ne(0) | (torch.arange(4) > 0))
@@ -259,7 +259,7 @@ def step_log_probs(model, batch: TensorDictBase, prompts: PromptTable | None = N
 
     Example:
         >>> from tensordict import TensorDict
-        >>> from tokengym.llm_envs.testing import tiny_tokenizer, tiny_model
+        >>> from tokengym.testing import tiny_tokenizer, tiny_model
         >>> table = PromptTable(); table.add(0, torch.tensor([7, 8]))
         >>> b = TensorDict({keys.ACTION: torch.tensor([[3, 4]]), keys.GROUP_ID: torch.zeros(1, 2, dtype=torch.long),
         ...                 keys.TRAJ_ID: torch.zeros(1, 2, dtype=torch.long)}, [1, 2])

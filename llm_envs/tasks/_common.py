@@ -23,7 +23,7 @@ def make_task_env(
 ) -> TokenEnv:
     """A :class:`TokenEnv` over ``prompts``, with the offline tiny tokenizer by default."""
     if tokenizer is None:
-        from tokengym.llm_envs.testing import tiny_tokenizer
+        from tokengym.llm_envs.tiny_models import tiny_tokenizer
 
         tokenizer = tiny_tokenizer()
     env_kwargs.setdefault("max_length", 256)

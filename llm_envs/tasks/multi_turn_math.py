@@ -92,7 +92,7 @@ def make_multi_turn_math_env(
     """
     check_positive_int("max_turns", max_turns)
     if tokenizer is None:
-        from tokengym.llm_envs.testing import tiny_tokenizer
+        from tokengym.llm_envs.tiny_models import tiny_tokenizer
 
         tokenizer = tiny_tokenizer()
     prompts = arithmetic_prompts(n_prompts, seed=seed, max_operand=max_operand)

@@ -8,7 +8,7 @@ from tokengym.collectors.sequence_actor import SequenceActor
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
 from tokengym.llm_envs.tasks import make_multi_turn_math_env
-from tokengym.llm_envs.testing import tiny_model
+from tokengym.testing import tiny_model
 from tokengym.transforms import padded_to_steps, step_log_probs, to_packed, to_padded
 
 

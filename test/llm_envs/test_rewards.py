@@ -13,7 +13,7 @@ from tokengym.llm_envs.rewards import (
     extract_answer,
     normalize_answer,
 )
-from tokengym.llm_envs.testing import tiny_reward_model
+from tokengym.testing import tiny_reward_model
 
 
 def _call(fn, responses, metadata=None):

@@ -3,8 +3,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokengym.llm_envs import keys
+from tokengym.testing import make_trajectory_batch
 from tokengym.transforms import AdaptiveKLController, KLRewardTransform, group_advantages, kl_estimate
-from tokengym.transforms.testing import make_trajectory_batch
 
 SETTINGS = settings(deadline=None, max_examples=25)
 lengths = st.lists(st.integers(1, 6), min_size=1, max_size=6)

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from tokengym.llm_envs import keys
+from tokengym.testing import make_trajectory_batch, to_steps_layout
 from tokengym.transforms import (
     AdvantageEstimator,
     DiscountedReturns,
@@ -9,7 +10,6 @@ from tokengym.transforms import (
     make_advantage,
     masked_whiten,
 )
-from tokengym.transforms.testing import make_trajectory_batch, to_steps_layout
 
 
 def _ordered(td):

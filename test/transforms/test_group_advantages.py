@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from tokengym.llm_envs import keys
+from tokengym.testing import make_trajectory_batch, to_steps_layout
 from tokengym.transforms import GroupAdvantage, group_advantages, group_stats, make_advantage
-from tokengym.transforms.testing import make_trajectory_batch, to_steps_layout
 
 
 def _ordered(td):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tokengym.llm_envs import keys
-from tokengym.llm_envs.testing import tiny_model, tiny_tokenizer
+from tokengym.testing import make_trajectory_batch, tiny_model, tiny_tokenizer
 from tokengym.transforms import (
     AdaptiveKLController,
     KLEstimator,
@@ -12,7 +12,6 @@ from tokengym.transforms import (
     kl_estimate,
     step_log_probs,
 )
-from tokengym.transforms.testing import make_trajectory_batch
 
 
 @pytest.mark.parametrize(

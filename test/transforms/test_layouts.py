@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from tokengym.llm_envs import keys
+from tokengym.testing import make_trajectory_batch
 from tokengym.transforms import GroupAdvantage, dpo_pairs, padded_to_steps, to_packed, to_padded
-from tokengym.transforms.testing import make_trajectory_batch
 
 
 def test_padded_layout_and_round_trip():

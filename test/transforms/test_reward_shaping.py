@@ -3,8 +3,8 @@ import torch
 from tensordict import TensorDict
 
 from tokengym.llm_envs import keys
+from tokengym.testing import make_trajectory_batch
 from tokengym.transforms import ClipReward, MissingEOSPenalty, OverlongPenalty, ScaleReward
-from tokengym.transforms.testing import make_trajectory_batch
 
 
 def _final(td):

@@ -3,9 +3,8 @@ import torch
 
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.prompt_table import PromptTable
-from tokengym.llm_envs.testing import tiny_model, tiny_tokenizer
+from tokengym.testing import make_trajectory_batch, tiny_model, tiny_tokenizer, to_steps_layout
 from tokengym.transforms import batch_sequences, check_trajectory_rows, sequence_log_probs, step_log_probs
-from tokengym.transforms.testing import make_trajectory_batch, to_steps_layout
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from tokengym.llm_envs import keys
+from tokengym.testing import make_trajectory_batch, to_steps_layout
 from tokengym.transforms import TurnDiscount
-from tokengym.transforms.testing import make_trajectory_batch, to_steps_layout
 
 
 def _multi_turn():
