@@ -154,6 +154,20 @@ class SlotKVCache:
             for k, v in self.kv
         ]  # fmt: skip
 
+    def state_dict(self) -> dict:
+        """Keys, values, mask, lengths and trajectory ids (clones), for checkpoints."""
+        return {"kv": [(k.clone(), v.clone()) for k, v in self.kv], "mask": self.mask.clone(),
+                "length": self.length.clone(), "traj": self.traj.clone()}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (of a cache with the same number of slots)."""
+        rows = int(state["mask"].shape[0])
+        if rows != self.batch_size:
+            raise ValueError(f"this KV cache checkpoint holds {rows} slots, the cache has {self.batch_size}")
+        self.kv = [(k.clone(), v.clone()) for k, v in state["kv"]]
+        self.mask, self.length = state["mask"].clone(), state["length"].clone()
+        self.traj = state["traj"].clone()
+
     def nbytes(self) -> int:
         """Bytes held by keys and values."""
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)

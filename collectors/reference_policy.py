@@ -9,13 +9,14 @@ from tensordict.nn import TensorDictModuleBase
 from tokengym.collectors.kv_cache import SlotKVCache
 from tokengym.llm_envs import keys
 
-__all__ = ["StepwiseReference"]
+__all__ = ["PolicyWithReference", "StepwiseReference"]
 
 
 class StepwiseReference(TensorDictModuleBase):
     """Writes ``keys.REF_LOG_PROB``: the reference model's log-prob of the action the policy just chose.
 
-    Run it after the policy on every step (e.g. ``lambda td: ref(policy(td))``); it keeps its own
+    Compose it with the policy as :class:`PolicyWithReference` (it runs after the policy on every
+    step, and the pair is a :class:`~tokengym.collectors.TokenPolicy`); it keeps its own
     per-slot KV cache, so each step costs one incremental forward of the reference model. A
     ``KLRewardTransform()`` without ``ref_model`` inside a ``TransformedEnv`` then shapes every step's
     reward. The cheaper alternative is ``KLRewardTransform(ref_model=...)`` as a collector postproc:
@@ -56,3 +57,65 @@ class StepwiseReference(TensorDictModuleBase):
         ref = logits.log_softmax(-1).gather(-1, action[:, None]).squeeze(-1)
         tensordict.set(keys.REF_LOG_PROB, torch.where(active, ref, torch.zeros_like(ref)))
         return tensordict
+
+    def state_dict(self, *, include_cache: bool = True) -> dict:  # type: ignore[override]
+        """The reference's KV cache (its weights never change during collection)."""
+        return {"cache": self.cache.state_dict()} if include_cache else {}
+
+    def load_state_dict(self, state: dict, strict: bool = True, assign: bool = False) -> None:  # type: ignore[override]
+        """Restore :meth:`state_dict` (without a saved cache, live slots are re-prefilled)."""
+        self.cache = SlotKVCache(self.model, self.env.batch_size[0])
+        if state.get("cache") is not None:
+            self.cache.load_state_dict(state["cache"])
+
+
+class PolicyWithReference:
+    """A :class:`~tokengym.collectors.TokenPolicy` that steps ``policy`` and then ``reference``.
+
+    Every step carries ``keys.REF_LOG_PROB`` beside the policy's keys; weight updates, version,
+    checkpoints and ``close`` go to the policy (the reference's cache is checkpointed too).
+
+    Example:
+        >>> from tokengym.llm_envs import TokenEnv
+        >>> from tokengym.collectors import TokenCollector, TransformersPolicy
+        >>> from tokengym.testing import tiny_tokenizer, tiny_model
+        >>> tok = tiny_tokenizer(); model = tiny_model(tok)
+        >>> env = TokenEnv(["1+1="], tok, batch_size=2, max_new_tokens=3, model_config=model.config)
+        >>> policy = PolicyWithReference(TransformersPolicy(model, env), StepwiseReference(tiny_model(tok), env))
+        >>> batch = next(iter(TokenCollector(env, policy, mode="steps", batch_size=2)))
+        >>> "ref_log_prob" in batch.keys(), policy.update_weights(), policy.version
+        (True, 1, 1)
+    """
+
+    def __init__(self, policy, reference: StepwiseReference) -> None:
+        if not callable(policy) or not hasattr(policy, "update_weights"):
+            raise TypeError(f"policy must be a stepwise TokenPolicy, got {type(policy).__name__}")
+        if not isinstance(reference, StepwiseReference):
+            raise TypeError(f"reference must be a StepwiseReference, got {type(reference).__name__}")
+        self.policy, self.reference = policy, reference
+
+    def __call__(self, tensordict: TensorDictBase) -> TensorDictBase:
+        return self.reference(self.policy(tensordict))
+
+    @property
+    def version(self) -> int:
+        return self.policy.version
+
+    def update_weights(self, weights=None) -> int:
+        """Update the policy's weights (the reference stays as it is)."""
+        return self.policy.update_weights(weights)
+
+    def set_seed(self, seed: int) -> None:
+        if hasattr(self.policy, "set_seed"):
+            self.policy.set_seed(seed)
+
+    def state_dict(self, *, include_cache: bool = True) -> dict:
+        kwargs = {} if include_cache else {"include_cache": False}
+        return {"policy": self.policy.state_dict(**kwargs), "reference": self.reference.state_dict(**kwargs)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.reference.load_state_dict(state["reference"])
+
+    def close(self) -> None:
+        self.policy.close()

@@ -9,7 +9,7 @@ from tensordict.nn import TensorDictModuleBase
 from tokengym.llm_envs import keys
 from tokengym.transforms.scoring import sequence_layout
 
-__all__ = ["SequenceActor"]
+__all__ = ["MaskedCategorical", "PaddedSequenceActor", "SequenceActor"]
 
 
 class SequenceActor(TensorDictModuleBase):
@@ -53,3 +53,56 @@ class SequenceActor(TensorDictModuleBase):
     def get_dist(self, tensordict: TensorDictBase) -> torch.distributions.Categorical:
         """The per-step categorical distribution (what ``ClipPPOLoss`` calls)."""
         return torch.distributions.Categorical(logits=self.logits(tensordict))
+
+
+class MaskedCategorical(torch.distributions.Categorical):
+    """A categorical over every column of a padded layout, with the boolean loss mask TorchRL's LLM losses read."""
+
+    def __init__(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        super().__init__(logits=logits, validate_args=False)
+        self.mask = mask
+
+
+class PaddedSequenceActor(TensorDictModuleBase):
+    """The policy as ``torchrl.objectives.llm.GRPOLoss`` sees it, on the padded layout of
+    :func:`~tokengym.transforms.to_padded` (``keys.TOKENS`` = ``("tokens", "full")``).
+
+    ``get_dist`` returns a distribution over the whole (N, L) sequence whose column ``j`` scores
+    token ``j`` and whose ``mask`` is ``keys.ACTION_MASK`` (the generated tokens), so ``GRPOLoss``
+    runs on ``to_padded(batch)`` with its default keys.
+
+    Args:
+        model: the transformers causal LM being trained.
+        temperature: the sampling temperature.
+
+    Example:
+        >>> from torchrl.objectives.llm import GRPOLoss
+        >>> from tokengym.testing import make_trajectory_batch, tiny_model, tiny_tokenizer
+        >>> from tokengym.transforms import GroupAdvantage, to_padded
+        >>> model = tiny_model(tiny_tokenizer())
+        >>> batch = GroupAdvantage("grpo")(make_trajectory_batch([3, 2, 4, 1], group_size=2))
+        >>> out = GRPOLoss(PaddedSequenceActor(model), entropy_bonus=False)(to_padded(batch))
+        >>> out.loss_objective.shape
+        torch.Size([])
+    """
+
+    in_keys = [keys.TOKENS, keys.ATTENTION_MASK, keys.ACTION_MASK, keys.POSITION_IDS]
+    out_keys = [keys.LOGITS]
+
+    def __init__(self, model, *, temperature: float = 1.0) -> None:
+        super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 (the sampling temperature), got {temperature}")
+        self.model, self.temperature = model, temperature
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        out = self.model(input_ids=tensordict.get(keys.TOKENS), attention_mask=tensordict.get(keys.ATTENTION_MASK).long(),
+                         position_ids=tensordict.get(keys.POSITION_IDS), use_cache=False)  # fmt: skip
+        logits = out.logits.float() / self.temperature  # (N, L, V)
+        # the logits at column j-1 predict token j: shift right so that column j scores token j
+        tensordict.set(keys.LOGITS, torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1))
+        return tensordict
+
+    def get_dist(self, tensordict: TensorDictBase, logits_key=keys.LOGITS) -> MaskedCategorical:
+        td = self(tensordict.copy())
+        return MaskedCategorical(td.get(logits_key), td.get(keys.ACTION_MASK))

@@ -2,52 +2,70 @@
 
 from __future__ import annotations
 
-import copy
+import threading
 import time
 from collections.abc import Callable, Iterator
 from enum import StrEnum
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
-from tokengym.collectors._recorders import StepKeys, StepRecorder, TrajectoryRecorder, to_tensordict
+from tokengym.collectors._checkpoint import collector_state, load_collector_state
+from tokengym.collectors._metrics import batch_metrics
+from tokengym.collectors.policy import as_token_policy
+from tokengym.collectors.recorders import StepRecorder, TrajectoryRecorder
+from tokengym.collectors.sources import SourceKind, make_source
 from tokengym.llm_envs import PromptTable, TokenEnv, keys
 
-__all__ = ["CollectMode", "TokenCollector"]
+__all__ = ["CollectMode", "InFlight", "TokenCollector"]
 
 
 class CollectMode(StrEnum):
     """What one yielded batch holds.
 
-    ``STEPS``: ``steps_per_batch`` env steps of every slot, shape (B, T); a trajectory may span
-    batches and keeps its id. ``TRAJECTORIES``: ``batch_size`` finished trajectories, shape (N, T),
-    right-padded (``keys.MASK`` marks real steps).
+    ``STEPS``: ``frames_per_batch`` env steps of every slot, shape (B, T); a trajectory may span
+    batches and keeps its id. ``TRAJECTORIES``: ``frames_per_batch`` finished trajectories, shape
+    (N, T), right-padded (``keys.MASK`` marks real steps).
     """
 
     STEPS = "steps"
     TRAJECTORIES = "trajectories"
 
 
-def _base_env(env):
-    return getattr(env, "base_env", env)
+class InFlight(StrEnum):
+    """What a weight update does to trajectories in flight. ``CONTINUE``: they go on under the new
+    weights (the cache is re-prefilled; each token keeps the version it was sampled under).
+    ``DROP``: they start over from their prompt under the new weights (TRAJECTORIES mode)."""
+
+    CONTINUE = "continue"
+    DROP = "drop"
 
 
 class TokenCollector:
     """Collects token-level rollouts from ``env`` with ``policy``.
 
+    A step source advances the env (``source="step"``: one token per slot per step; ``"wave"``: the
+    policy generates every live slot's turn at once and the env unrolls it; both give the same
+    steps), a recorder turns steps into batches (:class:`CollectMode`). TorchRL names are accepted:
+    ``frames_per_batch`` = ``batch_size``, ``total_frames`` = ``total_steps``.
+
     Args:
         env: a :class:`~tokengym.llm_envs.TokenEnv` (or a ``TransformedEnv`` of one).
-        policy: e.g. :class:`~tokengym.collectors.TransformersPolicy`; writes ``action`` and log-probs.
+        policy: a :class:`~tokengym.collectors.TokenPolicy`, e.g. :class:`~tokengym.collectors.TransformersPolicy`.
         mode: a :class:`CollectMode` or its string.
         batch_size: env steps per batch (``STEPS``) or trajectories per batch (``TRAJECTORIES``).
         total_steps: stop after this many env steps (each is ``B`` tokens); -1 runs until the
             prompt source is exhausted (forever for a repeating source).
+        source: a :class:`~tokengym.collectors.sources.SourceKind` or its string; ``None`` steps
+            when the policy can, else generates waves.
         postproc: a callable applied to every batch (e.g. a KL transform); if it has ``metrics()``,
             they join the batch metrics.
         sink: a TorchRL ``ReplayBuffer`` (``extend``) or a queue (``put``): batches go there and
             iteration yields ``None``.
-        is_last_step_only: in ``TRAJECTORIES`` mode, keep only each trajectory's last step (N,).
-        use_progress_bar: show a tqdm bar of collected steps.
+        logger: a TorchRL logger (``torchrl.record.loggers``: CSV, TensorBoard, W&B...); every batch's
+            metrics are logged at the collector's step count.
+        options: a :class:`CollectorOptions` (rarely needed: last-step-only batches, fixed width,
+            in-flight policy on weight updates, progress bar).
 
     Example:
         >>> from tokengym.llm_envs import TokenEnv
@@ -63,183 +81,120 @@ class TokenCollector:
     def __init__(
         self,
         env,
-        policy: Callable[[TensorDictBase], TensorDictBase],
+        policy,
         *,
         mode: CollectMode | str = CollectMode.STEPS,
-        batch_size: int,
+        batch_size: int | None = None,
         total_steps: int = -1,
+        source: SourceKind | str | None = None,
         postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
         sink=None,
-        is_last_step_only: bool = False,
-        use_progress_bar: bool = False,
+        logger=None,
+        options: CollectorOptions | None = None,
+        frames_per_batch: int | None = None,
+        total_frames: int | None = None,
+        **legacy,
     ) -> None:
         self.mode = _check_mode(mode)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            what = "steps_per_batch (env steps)" if self.mode is CollectMode.STEPS else "trajectories per batch"
-            raise ValueError(f"batch_size ({what}) must be a positive int, got {batch_size!r}")
-        if not isinstance(total_steps, int) or (total_steps <= 0 and total_steps != -1):
-            raise ValueError(f"total_steps must be a positive int or -1 (endless), got {total_steps!r}")
-        if is_last_step_only and self.mode is not CollectMode.TRAJECTORIES:
-            raise ValueError("is_last_step_only=True needs mode='trajectories' (a step batch has no 'last step')")
-        if sink is not None and not (hasattr(sink, "extend") or hasattr(sink, "put")):
-            raise TypeError(f"sink must be a ReplayBuffer (extend) or a queue (put), got {type(sink).__name__}")
-        if postproc is not None and not callable(postproc):
-            raise TypeError(f"postproc must be callable on a TensorDict, got {postproc!r}")
-        base = _base_env(env)
+        self.options = _options(options, legacy)
+        batch_size = _alias("batch_size", batch_size, "frames_per_batch", frames_per_batch)
+        total_steps = _alias("total_steps", total_steps if total_steps != -1 else None, "total_frames", total_frames)
+        total_steps = -1 if total_steps is None else total_steps
+        _check_args(self.mode, batch_size, total_steps, self.options, sink, postproc)
+        base = getattr(env, "base_env", env)
         if not isinstance(base, TokenEnv):
             raise TypeError(f"env must be a TokenEnv or a TransformedEnv of one, got {type(base).__name__}")
+        policy = as_token_policy(policy)
         self.env, self.base_env, self.policy = env, base, policy
         self.batch_size, self.total_steps, self.postproc, self.sink = batch_size, total_steps, postproc, sink
-        self.is_last_step_only, self.use_progress_bar = is_last_step_only, use_progress_bar
-        self._is_fast = env is base  # a bare TokenEnv skips EnvBase.step's generic checks
-        self.steps_done, self._obs, self.metrics = 0, None, {}
-        self._prompts = PromptTable()
-        self._step_keys = StepKeys()
-        self._new_recorder()
+        self.logger = logger
+        self.source = make_source(source, env, policy)
+        self.steps_done, self.metrics, self.is_started = 0, {}, False
+        self.prompts = PromptTable()
+        self.pending: dict | None = None  # steps of a wave that did not fit into the last batch
+        self._lock = threading.Lock()
+        self._queued_weights: list = []  # weight updates asked for while collecting (another thread)
+        self._collect_thread: int | None = None  # the thread iterating this collector
+        self.counters = {"dropped_tokens": 0, "weight_updates": 0}
+        self.recorder = self.new_recorder()
 
-    def _new_recorder(self) -> None:
+    def new_recorder(self) -> StepRecorder | TrajectoryRecorder:
         if self.mode is CollectMode.STEPS:
-            self._rec: StepRecorder | TrajectoryRecorder = StepRecorder(self.batch_size)
-        else:
-            self._rec = TrajectoryRecorder(self.base_env.max_new_tokens)
+            return StepRecorder(self.batch_size)
+        return TrajectoryRecorder(self.batch_size, self.base_env.max_new_tokens,
+                                  is_fixed_width=self.options.is_fixed_width)  # fmt: skip
 
-    # -- stepping --
+    # -- collecting --
     def _remember_prompts(self, slots) -> None:
         for b in slots:
             prompt = self.base_env.slot_prompt(b)
             if prompt is not None:
-                self._prompts.add(prompt.group_id, prompt.ids, text=prompt.text, metadata=prompt.metadata)
+                self.prompts.add(prompt.group_id, prompt.ids, text=prompt.text, metadata=prompt.metadata)
 
-    def _start(self) -> None:
-        self._obs = self.env.reset()
-        self._remember_prompts(range(self.base_env.batch_size[0]))
-
-    def _step(self) -> dict:
-        td = self.policy(self._obs)
-        if self._is_fast:
-            nxt = self.env._step(td)
-            done = nxt.get(keys.DONE[1])
-            if bool(done.any()):
-                self._obs = self.env._reset(TensorDict({keys.RESET: done}, self.env.batch_size))
-                self._remember_prompts(done.reshape(-1).nonzero().squeeze(-1).tolist())
-            else:
-                self._obs = nxt
-        else:
-            out, self._obs = self.env.step_and_maybe_reset(td)
-            nxt = out.get(keys.NEXT)
-            done = nxt.get(keys.DONE[1])
-            if bool(done.any()):
-                self._remember_prompts(done.reshape(-1).nonzero().squeeze(-1).tolist())
-        self.steps_done += 1
-        self._take_sequences()
-        return self._step_keys.flat(td, nxt)
-
-    def _take_sequences(self) -> None:
-        """Move the full sequences of finished multi-turn episodes into the prompt table."""
-        finished = getattr(self.base_env, "finished_sequences", None)
-        while finished:
-            traj, ids = finished.popitem()
-            self._prompts.add_sequence(traj, ids)
+    def _advance(self) -> None:
+        """Advance the source once and record what it produced."""
+        if self._queued_weights:
+            self._apply_queued_weights()
+        chunk, refilled = self.source.advance()
+        if refilled:
+            self._remember_prompts(refilled)
+        for traj, ids in self.base_env.pop_finished_sequences().items():
+            self.prompts.add_sequence(traj, ids)
+        if chunk:
+            self.steps_done += next(iter(chunk.values())).shape[1]
+            self.pending = self.recorder.write(chunk)
 
     def _has_budget(self) -> bool:
         return self.total_steps == -1 or self.steps_done < self.total_steps
 
-    # -- batches --
     def _next_batch(self) -> TensorDictBase | None:
         """Step until a batch is full; ``None`` when the budget or the prompt source runs out."""
-        if self._obs is None:
-            self._start()
+        if not self.is_started:
+            self._remember_prompts(self.source.start())
+            self.is_started = True
         start, steps0 = time.perf_counter(), self.steps_done
-        while not self._is_full():
+        if self.pending is not None:
+            self.pending = self.recorder.write(self.pending)
+        while not self.recorder.is_full:
             if not self._has_budget() or self.base_env.is_exhausted:
-                return self._flush()
-            self._collect_some()
-        return self._finish(self._pop(), start, steps0)
+                batch = self.recorder.flush()
+                return None if batch is None else self._finish(batch, start, steps0)
+            self._advance()
+        return self._finish(self.recorder.pop(), start, steps0)
 
-    def _collect_some(self) -> None:
-        """Advance the env (one step here; a wave in generate-then-unroll) and record it."""
-        self._rec.write(self._wrap(self._step()))
-
-    def _wrap(self, flat: dict) -> dict:
-        if self.mode is CollectMode.STEPS:
-            return {k: v.unsqueeze(1) for k, v in flat.items()}  # one column
-        return flat
-
-    def _is_full(self) -> bool:
-        if self.mode is CollectMode.STEPS:
-            return self._rec.free == 0
-        return len(self._rec.finished) >= self.batch_size
-
-    def _flush(self) -> TensorDictBase | None:
-        """A last, shorter batch: the steps or finished trajectories collected before the end."""
-        if self.mode is CollectMode.STEPS and self._rec.t > 0:
-            self._rec.truncate()
-            return self._finish(self._pop(), time.perf_counter(), self.steps_done)
-        if self.mode is CollectMode.TRAJECTORIES and self._rec.finished:
-            return self._finish(self._rec.pop(len(self._rec.finished)), time.perf_counter(), self.steps_done)
-        return None
-
-    def _pop(self) -> dict:
-        if self.mode is CollectMode.STEPS:
-            flat = self._rec.pop()
-            flat["collector.mask"] = flat[keys.ACTIVE].clone()
-            return flat
-        return self._rec.pop(self.batch_size)
-
-    def _finish(self, flat: dict, start: float, steps0: int) -> TensorDictBase:
-        batch = to_tensordict(flat, flat[keys.ACTION].shape[:2])
-        batch = self._add_provenance(batch)
+    def _finish(self, batch: TensorDictBase, start: float, steps0: int) -> TensorDictBase:
+        self._add_prompts(batch)
+        if self.options.is_last_step_only:
+            last = batch.get(keys.MASK).sum(1) - 1
+            batch = batch[torch.arange(batch.shape[0]), last]
         if self.postproc is not None:
             batch = self.postproc(batch)
-        self._update_metrics(batch, time.perf_counter() - start, steps0)
-        return batch
-
-    def _add_provenance(self, batch: TensorDictBase) -> TensorDictBase:
-        mask = batch.get(keys.MASK)
-        groups = batch.get(keys.GROUP_ID)[mask].unique()
-        trajs = batch.get(keys.TRAJ_ID)[mask].unique()
-        batch.set_non_tensor(keys.PROMPTS, self._prompts.subset(groups, trajs))
-        self._prune_prompts()
-        if self.mode is CollectMode.TRAJECTORIES:
-            version = batch.get(keys.POLICY_VERSION)
-            last = mask.sum(1, keepdim=True) - 1  # (N, 1) index of each last step
-            batch.set(keys.VERSION_START, version[:, :1].expand_as(version).clone())
-            batch.set(keys.VERSION_END, version.gather(1, last).expand_as(version).clone())
-            if self.is_last_step_only:
-                batch = batch[torch.arange(batch.shape[0]), last.squeeze(1)]
-        return batch
-
-    def _prune_prompts(self) -> None:
-        """Keep only prompts still referenced by live slots or queued trajectories (bounded memory)."""
-        live = [p.group_id for b in range(self.base_env.batch_size[0]) if (p := self.base_env.slot_prompt(b))]
-        if isinstance(self._rec, TrajectoryRecorder):
-            live += [int(row[keys.GROUP_ID][0]) for row, _ in self._rec.finished]
-        queued = [int(row[keys.TRAJ_ID][0]) for row, _ in getattr(self._rec, "finished", [])]
-        self._prompts = self._prompts.subset(torch.tensor(live, dtype=torch.int64), queued)
-
-    def _update_metrics(self, batch: TensorDictBase, elapsed: float, steps0: int) -> None:
-        mask = batch.get(keys.MASK) if not self.is_last_step_only else torch.ones(batch.shape, dtype=torch.bool)
-        done = batch.get(keys.DONE).squeeze(-1) & mask
-        n_done = int(done.sum())
-        reward = batch.get(keys.REWARD_RAW if keys.REWARD_RAW in batch.keys(True) else keys.REWARD).squeeze(-1)
-        resp = batch.get((keys.NEXT, keys.RESPONSE_LEN))
-        tokens = int(mask.sum())
-        self.metrics = {
-            "tokens": tokens,
-            "tokens_per_s": tokens / max(elapsed, 1e-9),
-            "finished": n_done,
-            "mean_reward": float(reward[done].mean()) if n_done else float("nan"),
-            "mean_response_len": float(resp[done].float().mean()) if n_done else float("nan"),
-            "policy_version": int(getattr(self.policy, "version", 0)),
-            "steps": self.steps_done,
-        }
+        self.metrics = batch_metrics(batch, time.perf_counter() - start, self.policy.version, self.steps_done,
+                                     is_last_step_only=self.options.is_last_step_only)  # fmt: skip
+        self.metrics.update(self.counters)
         extra = getattr(self.postproc, "metrics", None)
         if callable(extra):
             self.metrics.update(extra())
+        if self.logger is not None:
+            for name, value in self.metrics.items():
+                self.logger.log_scalar(name, float(value), step=self.steps_done)
+        return batch
+
+    def _add_prompts(self, batch: TensorDictBase) -> None:
+        mask = batch.get(keys.MASK)
+        groups = batch.get(keys.GROUP_ID)[mask].unique()
+        trajs = batch.get(keys.TRAJ_ID)[mask].unique()
+        batch.set_non_tensor(keys.PROMPTS, self.prompts.subset(groups, trajs))
+        # keep only prompts still referenced by live slots or queued trajectories (bounded memory)
+        live = [p.group_id for b in range(self.base_env.batch_size[0]) if (p := self.base_env.slot_prompt(b))]
+        if isinstance(self.recorder, TrajectoryRecorder):
+            live += self.recorder.queued_groups()
+        self.prompts = self.prompts.subset(torch.tensor(live, dtype=torch.int64), self.recorder.queued_trajectories())
 
     # -- iteration --
     def __iter__(self) -> Iterator[TensorDictBase | None]:
         bar = self._progress_bar()
+        self._collect_thread = threading.get_ident()
         while (batch := self._next_batch()) is not None:
             if bar is not None:
                 bar.update(self.metrics["tokens"])
@@ -249,49 +204,139 @@ class TokenCollector:
                 continue
             (self.sink.extend if hasattr(self.sink, "extend") else self.sink.put)(batch)
             yield None
+        self._collect_thread = None
         if bar is not None:
             bar.close()
 
     def _progress_bar(self):
-        if not self.use_progress_bar:
+        if not self.options.use_progress_bar:
             return None
+        import sys
+
         from tqdm.auto import tqdm
 
         total = None if self.total_steps == -1 else self.total_steps * self.base_env.batch_size[0]
-        return tqdm(total=total, unit="tok", desc="collecting")
+        return tqdm(total=total, unit="tok", desc="collecting", file=sys.stderr, disable=not sys.stderr.isatty())
 
-    def update_policy_weights_(self, state_dict: dict | None = None) -> int:
-        """Load new weights into the policy's model (if given) and bump the policy version."""
-        if state_dict is not None:
-            self.policy.model.load_state_dict(state_dict)
-        if hasattr(self.policy, "reset_cache"):
-            self.policy.reset_cache()  # live slots are re-prefilled under the new weights
-        return self.policy.bump_version()
+    # -- weights --
+    def update_policy_weights_(self, policy_or_weights=None, *, weights=None) -> int:
+        """Load new weights into the policy and bump its version (TorchRL's signature).
+
+        ``weights`` (or the positional argument) is a state_dict or a TensorDict of weights; ``None``
+        means the model was updated in place. Called from another thread while this collector
+        iterates (asynchronous collection), the update is applied at the next step boundary;
+        otherwise at once. Trajectories in flight continue or restart per ``options.in_flight``.
+        Returns the version the policy has (or will have) after the update.
+        """
+        if weights is None and policy_or_weights is not None and not callable(policy_or_weights):
+            weights = policy_or_weights
+        with self._lock:
+            self._queued_weights.append(weights)
+            expected = self.policy.version + len(self._queued_weights)
+        if self._collect_thread is None or threading.get_ident() == self._collect_thread:
+            self._apply_queued_weights()
+        return expected
+
+    def _apply_queued_weights(self) -> None:
+        with self._lock:
+            queued, self._queued_weights = self._queued_weights, []
+        for weights in queued:
+            self.policy.update_weights(weights)
+            self.counters["weight_updates"] += 1
+        if queued and self.options.in_flight is InFlight.DROP and self.is_started:
+            self._drop_in_flight()
+
+    def _drop_in_flight(self) -> None:
+        resp = [(b, int(self.base_env.history(b).numel()) - int(p.ids.numel()))
+                for b in range(self.base_env.batch_size[0]) if (p := self.base_env.slot_prompt(b)) is not None]  # fmt: skip
+        slots = [b for b, n in resp if n > 0]
+        if slots:
+            self.counters["dropped_tokens"] += sum(n for _, n in resp if n > 0)
+            self.source.restart(slots)
+
+    # -- TorchRL collector conventions --
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Seed the prompt order (env) and the policy's sampling; returns the seed."""
+        self.base_env.set_seed(seed, static_seed=static_seed)
+        if hasattr(self.policy, "set_seed"):
+            self.policy.set_seed(seed)
+        return seed
+
+    def shutdown(self) -> None:
+        """Release the policy's resources (engines, caches)."""
+        self.policy.close()
+
+    def __enter__(self) -> TokenCollector:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     # -- checkpoints --
-    def state_dict(self) -> dict:
-        """Everything needed to resume between batches: env, sampling RNG, version, unfinished steps.
-
-        A postproc with state of its own (a KL controller, say) is checkpointed by its own ``state_dict``.
-        """
-        return copy.deepcopy({
-            "env": self.base_env.state_dict(),
-            "policy": self.policy.state_dict_rng(),
-            "obs": None if self._obs is None else self._obs.clone(),
-            "steps_done": self.steps_done,
-            "recorder": self._rec.state_dict() if isinstance(self._rec, TrajectoryRecorder) else None,
-            "prompts": self._prompts,
-        })  # fmt: skip
+    def state_dict(self, *, include_cache: bool = True) -> dict:
+        """Everything needed to resume between batches, as tensors, numbers, strings, lists and dicts
+        (``torch.load(..., weights_only=True)`` reads it back). ``include_cache=False`` leaves the
+        policy's KV cache out (re-prefilled on resume; log-probs may then differ in the last bits)."""
+        return collector_state(self, include_cache=include_cache)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; the next batch is the one the saved run would have yielded."""
-        self.base_env.load_state_dict(state["env"])
-        self.policy.load_state_dict_rng(state["policy"])
-        self._obs, self.steps_done = state["obs"], state["steps_done"]
-        self._new_recorder()
-        if state["recorder"] is not None:
-            self._rec.load_state_dict(state["recorder"])
-        self._prompts = state["prompts"]
+        load_collector_state(self, state)
+
+
+class CollectorOptions:
+    """Rarely needed collector options.
+
+    Args:
+        is_last_step_only: in ``TRAJECTORIES`` mode, keep only each trajectory's last step (N,).
+        is_fixed_width: in ``TRAJECTORIES`` mode, pad every batch to ``max_new_tokens`` steps, so
+            batches of different runs stack (a TorchRL ``ReplayBuffer`` with ``LazyTensorStorage``).
+        in_flight: an :class:`InFlight` (or its string): trajectories in flight at a weight update.
+        use_progress_bar: a tqdm bar of collected tokens on stderr (only when stderr is a terminal).
+    """
+
+    def __init__(self, *, is_last_step_only: bool = False, is_fixed_width: bool = False,
+                 in_flight: InFlight | str = InFlight.CONTINUE, use_progress_bar: bool = False) -> None:  # fmt: skip
+        self.is_last_step_only, self.is_fixed_width = is_last_step_only, is_fixed_width
+        try:
+            self.in_flight = InFlight(in_flight)
+        except ValueError:
+            raise ValueError(f"in_flight must be one of {[m.value for m in InFlight]}, got {in_flight!r}") from None
+        self.use_progress_bar = use_progress_bar
+
+
+def _options(options: CollectorOptions | None, legacy: dict) -> CollectorOptions:
+    known = {"is_last_step_only", "is_fixed_width", "in_flight", "use_progress_bar"}
+    unknown = set(legacy) - known
+    if unknown:
+        raise TypeError(f"TokenCollector got unexpected arguments {sorted(unknown)}; see its docstring")
+    if options is not None and legacy:
+        raise TypeError(f"pass {sorted(legacy)} inside options=CollectorOptions(...), not both")
+    if options is not None and not isinstance(options, CollectorOptions):
+        raise TypeError(f"options must be a CollectorOptions, got {type(options).__name__}")
+    return options or CollectorOptions(**legacy)
+
+
+def _alias(name: str, value, torchrl_name: str, torchrl_value):
+    if value is not None and torchrl_value is not None and value != torchrl_value:
+        raise ValueError(f"{name}={value!r} and {torchrl_name}={torchrl_value!r} disagree; pass one of them")
+    return value if value is not None else torchrl_value
+
+
+def _check_args(mode, batch_size, total_steps, options, sink, postproc) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        what = "steps_per_batch (env steps)" if mode is CollectMode.STEPS else "trajectories per batch"
+        raise ValueError(f"batch_size / frames_per_batch ({what}) must be a positive int, got {batch_size!r}")
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or (total_steps <= 0 and total_steps != -1):
+        raise ValueError(f"total_steps must be a positive int or -1 (endless), got {total_steps!r}")
+    if options.is_last_step_only and mode is not CollectMode.TRAJECTORIES:
+        raise ValueError("is_last_step_only=True needs mode='trajectories' (a step batch has no 'last step')")
+    if options.in_flight is InFlight.DROP and mode is not CollectMode.TRAJECTORIES:
+        raise ValueError("in_flight='drop' needs mode='trajectories' (steps already yielded cannot be dropped)")
+    if sink is not None and not (hasattr(sink, "extend") or hasattr(sink, "put")):
+        raise TypeError(f"sink must be a ReplayBuffer (extend) or a queue (put), got {type(sink).__name__}")
+    if postproc is not None and not callable(postproc):
+        raise TypeError(f"postproc must be callable on a TensorDict, got {postproc!r}")
 
 
 def _check_mode(mode) -> CollectMode:

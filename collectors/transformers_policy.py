@@ -10,6 +10,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from tokengym.collectors.kv_cache import SlotKVCache
 from tokengym.collectors.sampling import SamplingConfig, sample_tokens
 from tokengym.llm_envs import keys
+from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["TransformersPolicy"]
 
@@ -81,7 +82,7 @@ class TransformersPolicy(TensorDictModuleBase):
         """Write ``action``, ``action_log_prob`` and ``policy_version`` for every slot."""
         token, seq_len = tensordict.get(keys.TOKEN), tensordict.get(keys.SEQ_LEN)
         traj, active = tensordict.get(keys.TRAJ_ID), tensordict.get(keys.ACTIVE)
-        self.cache.sync(self.env.tokens, seq_len, traj, active)
+        self.cache.sync(self.env.tokens, seq_len, traj, active)  # the env's read-only buffer: new prefixes only
         logits = self.cache.decode(token, active)
         if not bool(active.all()):
             logits = torch.where(active[:, None], logits, torch.zeros_like(logits))  # idle rows attend nothing
@@ -95,9 +96,9 @@ class TransformersPolicy(TensorDictModuleBase):
             tensordict.set(keys.RAW_LOG_PROB, raw)
         return tensordict
 
-    # -- teacher-forced scoring --
+    # -- teacher-forced log-probs --
     @torch.no_grad()
-    def score(self, batch: TensorDictBase, *, with_entropy: bool = False):
+    def teacher_forced_log_probs(self, batch: TensorDictBase, *, with_entropy: bool = False):
         """Log-probs (N, T) of every step's action in a TRAJECTORIES batch, in one teacher-forced forward.
 
         Uses the sampling temperature (not top-k / top-p), so with an unfiltered sampler it
@@ -116,62 +117,75 @@ class TransformersPolicy(TensorDictModuleBase):
         entropy = -(logp.exp() * logp).sum(-1) * mask
         return picked, entropy
 
-    # -- generate-then-unroll --
+    # -- whole waves (generate-then-unroll) --
     @torch.no_grad()
-    def generate_wave(self, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int):
-        """One ``model.generate`` call for a left-padded wave of prompts (B, P).
+    def generate(self, request: WaveRequest) -> WaveResult:
+        """One ``model.generate`` call continuing every sequence of ``request`` (left-padded).
 
         Sampling goes through the same :func:`sample_tokens` and generator as stepping, so a wave is
         token-for-token what stepping would produce from the same state.
-
-        Returns:
-            ``(actions, action_log_probs, raw_log_probs)``, each (B, T) with ``T <= max_new_tokens``.
         """
+        n = len(request)
+        lengths = torch.tensor([len(p) for p in request.prompts], dtype=torch.int64)
+        width = int(lengths.max())
+        prompts = torch.full((n, width), self.env.tokenizer.pad_token_id, dtype=torch.int64)
+        mask = torch.zeros(n, width, dtype=torch.int64)
+        for i, ids in enumerate(request.prompts):  # one copy per sequence and wave, never per step
+            prompts[i, width - len(ids) :] = ids
+            mask[i, width - len(ids) :] = 1
         sampler = _SamplingProcessor(self.sampling, self.generator)
-        eos = self.env.eos_token_ids
         self.model.generate(
-            input_ids=prompts,
-            attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            logits_processor=LogitsProcessorList([sampler]),
-            eos_token_id=sorted(eos),
-            pad_token_id=self.env.tokenizer.pad_token_id,
-            num_beams=1,
-            use_cache=True,
-        )
-        stack = [torch.stack(x, dim=1) for x in (sampler.actions, sampler.log_probs, sampler.raw_log_probs)]
-        return tuple(stack)
+            input_ids=prompts, attention_mask=mask, max_new_tokens=int(request.max_new_tokens.max()),
+            do_sample=False, logits_processor=LogitsProcessorList([sampler]), eos_token_id=list(request.eos_token_ids),
+            pad_token_id=self.env.tokenizer.pad_token_id, num_beams=1, use_cache=True,
+        )  # fmt: skip
+        actions, logp, raw = (torch.stack(x, dim=1) for x in (sampler.actions, sampler.log_probs, sampler.raw_log_probs))
+        T = actions.shape[1]
+        is_eos = torch.isin(actions, torch.tensor(request.eos_token_ids, dtype=torch.int64))
+        first_eos = torch.where(is_eos, torch.arange(T), T).min(1).values
+        out_len = torch.minimum(torch.minimum(first_eos + 1, torch.full_like(first_eos, T)), request.max_new_tokens)
+        return WaveResult(actions=actions, lengths=out_len, log_probs=logp,
+                          raw_log_probs=raw if self.return_raw_log_prob else None, version=self.version)  # fmt: skip
 
-    def bump_version(self) -> int:
-        """Increase the policy version (after a weight update) and return it."""
+    # -- the TokenPolicy protocol --
+    def update_weights(self, weights=None) -> int:
+        """Load ``weights`` (a state_dict or a TensorDict of weights; ``None``: the model was updated in
+        place), drop the KV cache (live slots are re-prefilled under the new weights) and bump the version."""
+        if isinstance(weights, TensorDictBase):
+            weights.to_module(self.model)
+        elif weights is not None:
+            self.model.load_state_dict(weights)
+        self.reset_cache()
         self.version += 1
         return self.version
 
-    def state_dict_rng(self) -> dict:
-        """State to checkpoint: generator, version and the KV cache (weights are the user's to save).
+    def set_seed(self, seed: int) -> None:
+        """Reseed the sampling generator."""
+        self.generator.manual_seed(seed)
+
+    def close(self) -> None:
+        """Drop the KV cache (the model stays the caller's)."""
+        self.reset_cache()
+
+    def state_dict(self, *, include_cache: bool = True) -> dict:  # type: ignore[override]
+        """Collection state to checkpoint: sampling generator, version and the KV cache (not the weights).
 
         The cache is saved rather than rebuilt on resume: a re-prefill gives log-probs that differ in
         the last bits, and a resumed run must yield exactly what the uninterrupted one would have.
+        ``include_cache=False`` leaves it out (for a real model it is gigabytes): resume re-prefills.
         """
-        cache = self.cache
-        return {
-            "generator": self.generator.get_state(),
-            "version": self.version,
-            "cache": {"kv": [(k.clone(), v.clone()) for k, v in cache.kv], "mask": cache.mask.clone(),
-                      "length": cache.length.clone(), "traj": cache.traj.clone()},
-        }  # fmt: skip
+        out = {"generator": self.generator.get_state(), "version": self.version}
+        if include_cache:
+            out["cache"] = self.cache.state_dict()
+        return out
 
-    def load_state_dict_rng(self, state: dict) -> None:
-        """Restore :meth:`state_dict_rng`."""
+    def load_state_dict(self, state: dict, strict: bool = True, assign: bool = False) -> None:  # type: ignore[override]
+        """Restore :meth:`state_dict` (without a saved cache, every live slot is re-prefilled)."""
         self.generator.set_state(state["generator"])
-        self.version = state["version"]
+        self.version = int(state["version"])
         self.reset_cache()
-        saved = state.get("cache")
-        if saved is not None:
-            self.cache.kv = [(k.clone(), v.clone()) for k, v in saved["kv"]]
-            self.cache.mask, self.cache.length = saved["mask"].clone(), saved["length"].clone()
-            self.cache.traj = saved["traj"].clone()
+        if state.get("cache") is not None:
+            self.cache.load_state_dict(state["cache"])
 
 
 class _SamplingProcessor(LogitsProcessor):

@@ -1,18 +1,9 @@
 """GRPO with TorchRL's ``GRPOLoss`` on the arithmetic task (run: python examples/grpo.py --iterations 20).
 
-``torchrl.objectives.llm.GRPOLoss`` works on a padded sequence layout, not on per-token steps. It needs:
-
-* the tokens under ``("tokens", "full")`` (N, L) (a sub-TensorDict: our ``keys.TOKENS`` is "tokens" itself,
-  so the adapter builds a fresh TensorDict) and the sampling log-probs, token-aligned, under
-  ``("log_probs", "full")`` (N, L);
-* ``"advantage"`` (N, L, 1) (same ndim as its log-weight);
-* an actor with ``get_dist(td, logits_key=...)`` returning a distribution over the whole sequence whose
-  ``log_prob(tokens)`` is (N, L) and which carries a boolean ``.mask`` (N, L): the tokens that enter
-  the loss (here: the generated ones). The loss averages over ``mask`` (token_mean).
-
-:func:`tokengym.transforms.to_padded` gives exactly that layout (left-padded prompt + right-padded
-response, every step key copied token-aligned), so the adapter below is a few lines: alias the keys and
-wrap the model so that column ``j`` of the distribution scores token ``j`` (the logits of column ``j-1``).
+``torchrl.objectives.llm.GRPOLoss`` works on a padded sequence layout with TorchRL's LLM keys.
+:func:`tokengym.transforms.to_padded` writes exactly those (``("tokens", "full")``,
+``("log_probs", "full")``, ``"advantage"`` token-aligned) and :class:`~tokengym.collectors.PaddedSequenceActor`
+is the actor it expects, so the loss runs on a collected batch with its default keys, no adapter.
 The KL to the reference model is shaped into the reward by ``KLRewardTransform`` before the group
 advantage, as in the demo.
 """
@@ -23,60 +14,13 @@ import argparse
 import copy
 
 import torch
-from tensordict import TensorDict, TensorDictBase
-from tensordict.nn import TensorDictModuleBase
 from torchrl.objectives.llm import GRPOLoss
 
-from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
+from tokengym.collectors import PaddedSequenceActor, SamplingConfig, TokenCollector, TransformersPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.llm_envs.tasks import arithmetic_prompts
 from tokengym.testing import tiny_model, tiny_tokenizer
 from tokengym.transforms import AdaptiveKLController, GroupAdvantage, KLRewardTransform, to_padded
-
-
-class MaskedCategorical(torch.distributions.Categorical):
-    """A categorical over every column of the padded layout, with the loss mask GRPOLoss reads."""
-
-    def __init__(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
-        super().__init__(logits=logits, validate_args=False)
-        self.mask = mask
-
-
-class PaddedActor(TensorDictModuleBase):
-    """GRPOLoss adapter: teacher-forced distribution over the padded layout of :func:`to_padded`."""
-
-    in_keys = [("tokens", "full"), keys.ATTENTION_MASK, keys.ACTION_MASK, keys.POSITION_IDS]
-    out_keys = ["logits"]
-
-    def __init__(self, model, temperature: float = 1.0) -> None:
-        super().__init__()
-        self.model, self.temperature = model, temperature
-
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
-        out = self.model(input_ids=td.get(("tokens", "full")), attention_mask=td.get(keys.ATTENTION_MASK).long(),
-                         position_ids=td.get(keys.POSITION_IDS), use_cache=False)  # fmt: skip
-        logits = out.logits.float() / self.temperature
-        # the logits at column j-1 predict token j: shift right so column j scores token j
-        td.set("logits", torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1))
-        return td
-
-    def get_dist(self, td: TensorDictBase, logits_key: str = "logits") -> MaskedCategorical:
-        td = self(td.copy())
-        return MaskedCategorical(td.get(logits_key), td.get(keys.ACTION_MASK))
-
-
-def grpo_input(batch: TensorDictBase, pad_id: int) -> TensorDictBase:
-    """Trajectory batch [N, T] (with advantages) -> the padded layout [N, P+T] under GRPOLoss's keys."""
-    padded = to_padded(batch, pad_id=pad_id)
-    # keys.TOKENS is "tokens", a tensor, while GRPOLoss wants a sub-TensorDict there: build a fresh one
-    return TensorDict({
-        "tokens": {"full": padded.get(keys.TOKENS)},
-        "log_probs": {"full": padded.get(keys.ACTION_LOG_PROB)},  # 0 on the prompt, masked out anyway
-        keys.ADVANTAGE: padded.get(keys.ADVANTAGE),  # (N, L, 1), 0 on the prompt
-        keys.ATTENTION_MASK: padded.get(keys.ATTENTION_MASK),
-        keys.ACTION_MASK: padded.get(keys.ACTION_MASK),
-        keys.POSITION_IDS: padded.get(keys.POSITION_IDS),
-    }, batch_size=padded.batch_size)  # fmt: skip
 
 
 def digit_reward(responses: list[str], prompts: list[str], metadata: list[dict]) -> torch.Tensor:
@@ -108,12 +52,12 @@ def main(iterations: int = 30, quick: bool = False, seed: int = 0) -> list[float
         env, policy, mode="trajectories", batch_size=n_traj, total_steps=-1, postproc=kl
     )
     advantage = GroupAdvantage("grpo")  # (r - mean_group) / std_group, on every valid step of the trajectory
-    loss = GRPOLoss(PaddedActor(model), clip_epsilon=0.2, entropy_bonus=False)
+    loss = GRPOLoss(PaddedSequenceActor(model), clip_epsilon=0.2, entropy_bonus=False)
     optim = torch.optim.Adam(model.parameters(), lr=3e-3)
 
     rewards: list[float] = []
     for i, batch in enumerate(collector):
-        data = grpo_input(advantage(batch), tok.pad_token_id)
+        data = to_padded(advantage(batch), pad_id=tok.pad_token_id)
         model.train()
         for _ in range(2):
             out = loss(data)

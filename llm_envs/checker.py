@@ -87,7 +87,7 @@ class _Rollout:
             td.set(keys.ACTION, self.actions())
             before = td.clone()
             out, td = self.env.step_and_maybe_reset(td)
-            nxt = out.get("next")
+            nxt = out.get(keys.NEXT)
             self.check_obs(nxt, t, "next")
             self.check_outcome(before, nxt, t)
             self.check_transition(before, nxt, t)

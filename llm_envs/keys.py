@@ -83,8 +83,9 @@ VERSION_START = ("collector", "version_start")  # int64 (N, T) policy version of
 VERSION_END = ("collector", "version_end")  # int64 (N, T) policy version of its last token
 
 # -- sequence-level (padded) layout, batch (N,) over sequences, L positions --
-TOKENS = "tokens"  # int64 (N, L) left-padded prompt + right-padded response
-INPUT_IDS = "input_ids"  # alias used by transformers-style consumers
+# TorchRL's LLM layout (``torchrl.objectives.llm.GRPOLoss`` reads these by default)
+TOKENS = ("tokens", "full")  # int64 (N, L) left-padded prompt + right-padded response
+LOG_PROBS = ("log_probs", "full")  # float32 (N, L) sampling log-prob of each generated token, 0 elsewhere
 ATTENTION_MASK = "attention_mask"  # bool (N, L)
 ACTION_MASK = "action_mask"  # bool (N, L) True on tokens the policy generated
 POSITION_IDS = "position_ids"  # int64 (N, L) / packed (1, sum L)

@@ -6,11 +6,11 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
-from tensordict import TensorDictBase
 
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.errors import RewardFunctionError
 from tokengym.llm_envs.token_env import TokenEnv
+from tokengym.llm_envs.unroll import TurnEnd
 
 __all__ = ["MultiTurnTokenEnv", "Turn", "TurnFn"]
 
@@ -75,7 +75,7 @@ class MultiTurnTokenEnv(TokenEnv):
         self.turn_metrics = {"turns": 0, "feedback_tokens": 0}
         # full token sequences (prompt, turns, feedback) of finished multi-turn episodes, by trajectory
         # id, until a collector takes them (bounded: the oldest go first)
-        self.finished_sequences: dict[int, torch.Tensor] = {}
+        self._finished: dict[int, torch.Tensor] = {}
         self.max_finished_sequences = 4096
 
     def render(self, feedback: str, role: str) -> torch.Tensor:
@@ -88,35 +88,30 @@ class MultiTurnTokenEnv(TokenEnv):
             text = f"\n{feedback}\n"
         return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
 
-    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        action, active, previous, new_len, resp_len, ended, limited = self._advance(tensordict)
-        finished = ended | limited  # the turn is over; the env decides whether the episode is
+    def pop_finished_sequences(self) -> dict[int, torch.Tensor]:
+        """Full token ids (prompt, turns, feedback) of the episodes finished since the last call, by trajectory id."""
+        out, self._finished = self._finished, {}
+        return out
+
+    def _end_turns(self, ended: torch.Tensor, limited: torch.Tensor, new_len: torch.Tensor) -> TurnEnd:
+        """Score every ended turn, write the feedback of continuing slots after the model's tokens."""
         reward = torch.zeros(self.batch_size[0], 1)
-        appended: dict[int, torch.Tensor] = {}
-        if bool(finished.any()):
-            try:
-                appended = self._answer_turns(finished, limited, new_len, reward)
-            except RewardFunctionError:
-                self._rollback(previous)
-                raise
+        appended = self._answer_turns(ended | limited, limited, new_len, reward)
         terminated = ended.clone()
         truncated = limited & ~ended
         for b, ids in appended.items():  # continuing slots: write the feedback after the model's tokens
             terminated[b] = False
             start = int(new_len[b])
-            self.tokens[b, start : start + len(ids)] = ids
-        done = terminated | truncated
-        self._archive(done, new_len)
-        self._commit(action, active, new_len, resp_len, done)
-        self._continue_turns(appended, new_len)
-        return self._observation(done.unsqueeze(-1), terminated.unsqueeze(-1), truncated.unsqueeze(-1), reward)
+            self._tokens[b, start : start + len(ids)] = ids
+        self._archive(terminated | truncated, new_len)
+        return TurnEnd(terminated=terminated, truncated=truncated, reward=reward, appended=appended)
 
     def _answer_turns(self, finished, limited, new_len, reward) -> dict[int, torch.Tensor]:
         slots = finished.nonzero().squeeze(-1).tolist()
         s = self._rt.state
         p_len = s[keys.PROMPT_LEN]
         responses = self.tokenizer.batch_decode(
-            [self.tokens[b, int(p_len[b]) : int(new_len[b])] for b in slots], skip_special_tokens=True
+            [self._tokens[b, int(p_len[b]) : int(new_len[b])] for b in slots], skip_special_tokens=True
         )
         prompts = [self._prompts[b] for b in slots]
         turns = [int(s[keys.TURN][b]) for b in slots]
@@ -148,9 +143,9 @@ class MultiTurnTokenEnv(TokenEnv):
     def _archive(self, done: torch.Tensor, new_len: torch.Tensor) -> None:
         traj = self._rt.state[keys.TRAJ_ID]
         for b in done.nonzero().squeeze(-1).tolist():
-            if len(self.finished_sequences) >= self.max_finished_sequences:
-                self.finished_sequences.pop(next(iter(self.finished_sequences)))
-            self.finished_sequences[int(traj[b])] = self.tokens[b, : int(new_len[b])].clone()
+            if len(self._finished) >= self.max_finished_sequences:
+                self._finished.pop(next(iter(self._finished)))
+            self._finished[int(traj[b])] = self._tokens[b, : int(new_len[b])].clone()
 
     def _continue_turns(self, appended: dict[int, torch.Tensor], new_len: torch.Tensor) -> None:
         if not appended:

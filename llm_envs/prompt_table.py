@@ -91,7 +91,8 @@ class PromptTable:
         """Add every prompt of ``other`` to this table and return it."""
         for gid in other.group_ids():
             self.add(gid, other.ids(gid), text=other.text(gid), metadata=other.metadata(gid))
-        self._sequences.update(other._sequences)
+        for tid in other.traj_ids():
+            self._sequences[tid] = other.sequence(tid)
         return self
 
     def left_padded(self, group_ids: torch.Tensor, *, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +106,22 @@ class PromptTable:
             if len(row):
                 out[i, width - len(row) :] = row
         return out, lengths
+
+    def state_dict(self) -> dict:
+        """The table as tensors, strings, lists and dicts (``torch.load(weights_only=True)`` reads it)."""
+        groups = list(self._ids)
+        return {"groups": groups, "ids": [self._ids[g] for g in groups], "text": [self._text[g] for g in groups],
+                "metadata": [self._meta[g] for g in groups], "sequences": dict(self._sequences)}  # fmt: skip
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> PromptTable:
+        """Rebuild a table saved by :meth:`state_dict`."""
+        out = cls()
+        for gid, ids, text, meta in zip(state["groups"], state["ids"], state["text"], state["metadata"], strict=True):
+            out.add(gid, ids, text=text, metadata=meta)
+        for tid, ids in state["sequences"].items():
+            out.add_sequence(tid, ids)
+        return out
 
     def __repr__(self) -> str:
         return f"PromptTable(groups={len(self)})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -9,31 +10,30 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase
 
 from tokengym.llm_envs import keys
+from tokengym.llm_envs._env_checks import check_int, check_rewards, check_tokenizer, context_limit, eos_ids
 from tokengym.llm_envs._stop import StopChecker
 from tokengym.llm_envs.errors import ResetNeeded, RewardFunctionError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
+from tokengym.llm_envs.unroll import TurnEnd, WaveSteps, unroll_wave
+from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["TokenEnv", "RewardFn"]
 
 RewardFn = Callable[[list[str], list[str], list[dict]], "Sequence[float] | torch.Tensor"]
 _STATE = (keys.TOKEN, keys.SEQ_LEN, keys.PROMPT_LEN, keys.RESPONSE_LEN, keys.TRAJ_ID, keys.GROUP_ID,
           keys.SAMPLE_ID, keys.TURN, keys.ACTIVE)  # fmt: skip
-
-
-def _context_limit(tokenizer, model_config) -> int:
-    limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
-    if limit is None:
-        limit = getattr(tokenizer, "model_max_length", 4096)
-    return int(min(limit, 1 << 16))
+_NO_SEQUENCES: dict[int, torch.Tensor] = {}
 
 
 class TokenEnv(EnvBase):
     """Token-level LLM environment: each step appends one token per slot; finished slots are refilled.
 
     The observation is O(1) in sequence length (the last token, lengths and ids); the sequence
-    itself is written once into a preallocated ``(B, max_length)`` buffer, :attr:`tokens`, which a
-    KV-cached policy reads only when it prefills a new slot. Reward comes from ``reward_fn`` at a
-    trajectory's last step, called once per step for all slots that finished in it.
+    itself is written once into a preallocated ``(B, max_length)`` buffer, read through
+    :meth:`history` (a KV-cached policy reads it only when it prefills a slot). Reward comes from
+    ``reward_fn`` at a trajectory's last step, called once per step for all slots that finished in it.
+    Besides stepping, a whole wave of generated tokens enters through :meth:`wave_request` and
+    :meth:`unroll`, with the same termination and rewards.
 
     Args:
         prompts: a list of strings, chat message lists, token-id lists or mappings with a ``prompt``
@@ -43,7 +43,7 @@ class TokenEnv(EnvBase):
         reward_fn: ``fn(responses, prompts, metadata) -> floats`` (one per finished slot), or ``None``.
         batch_size: number of parallel slots ``B``.
         max_new_tokens: response budget per trajectory (``truncated`` when reached).
-        group_size: samples per prompt; they share ``group_id``.
+        group_size: samples per prompt; they share ``group_id`` (TRL's ``num_generations``, verl's ``rollout.n``).
         max_length: capacity of a sequence (prompt + response), e.g. the model's context limit;
             defaults to ``model_config``'s limit or the tokenizer's.
         stop_strings: strings that end a response (``terminated``).
@@ -79,9 +79,9 @@ class TokenEnv(EnvBase):
         seed: int = 0,
         shuffle: bool = False,
     ) -> None:
-        _check_int("batch_size", batch_size)
-        _check_int("max_new_tokens", max_new_tokens)
-        _check_tokenizer(tokenizer)
+        check_int("batch_size", batch_size)
+        check_int("max_new_tokens", max_new_tokens)
+        check_tokenizer(tokenizer)
         if reward_fn is not None and not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable(responses, prompts, metadata), got {reward_fn!r}")
         super().__init__(batch_size=torch.Size([batch_size]))
@@ -90,12 +90,12 @@ class TokenEnv(EnvBase):
         else:
             self.source = PromptSource(prompts, tokenizer, group_size=group_size, shuffle=shuffle, seed=seed)
         self.tokenizer, self.reward_fn, self.max_new_tokens = tokenizer, reward_fn, max_new_tokens
-        self.max_length = max_length if max_length is not None else _context_limit(tokenizer, model_config)
-        _check_int("max_length", self.max_length)
+        self.max_length = max_length if max_length is not None else context_limit(tokenizer, model_config)
+        check_int("max_length", self.max_length)
         self.vocab_size = len(tokenizer)
         if model_config is not None and getattr(model_config, "vocab_size", None):
             self.vocab_size = max(self.vocab_size, int(model_config.vocab_size))
-        self.eos_token_ids = _eos_ids(tokenizer, model_config, eos_token_ids, self.vocab_size)
+        self.eos_token_ids = eos_ids(tokenizer, model_config, eos_token_ids, self.vocab_size)
         self._stop = StopChecker(tokenizer, stop_strings, self.vocab_size)
         self._make_specs()
         self._alloc()
@@ -110,7 +110,7 @@ class TokenEnv(EnvBase):
 
     def _alloc(self) -> None:
         B = self.batch_size[0]
-        self.tokens = torch.zeros(B, self.max_length, dtype=torch.int64)  # (B, L) the sequences, written once
+        self._tokens = torch.zeros(B, self.max_length, dtype=torch.int64)  # (B, L) the sequences, written once
         # plain attributes of a plain object: nn.Module.__setattr__ costs microseconds per step
         self._rt = _Runtime()
         self._rt.state = {k: torch.zeros(B, dtype=torch.bool if k == keys.ACTIVE else torch.int64) for k in _STATE}
@@ -118,51 +118,86 @@ class TokenEnv(EnvBase):
         self._prompts: list[Prompt | None] = [None] * B
         self._arange = torch.arange(B)
         self._eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)
+        self._reset_td = None
 
     def _set_seed(self, seed: int | None) -> None:
         if seed is not None:
             self.source.seed = seed
 
-    # -- public helpers --
+    # -- public read-only views --
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The (B, max_length) token buffer: slot ``b`` holds ``seq_len[b]`` tokens. Read-only: do not write."""
+        return self._tokens
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """Strings that end a turn."""
+        return self._stop.stop_strings
+
+    def history(self, slot: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Token ids ``[start, end)`` of ``slot``'s sequence (default: all of it so far); a read-only view."""
+        stop = int(self._rt.state[keys.SEQ_LEN][slot]) if end is None else end
+        return self._tokens[slot, start:stop]
+
     def slot_prompt(self, slot: int) -> Prompt | None:
         """The prompt the slot is working on (``None`` once the source is exhausted)."""
         return self._prompts[slot]
 
     def response_ids(self, slot: int) -> torch.Tensor:
-        """Token ids generated so far in ``slot``'s trajectory (a view into :attr:`tokens`)."""
+        """Token ids generated so far in ``slot``'s current turn (a view into :attr:`tokens`)."""
         s = self._rt.state
-        return self.tokens[slot, int(s[keys.PROMPT_LEN][slot]) : int(s[keys.SEQ_LEN][slot])]
+        return self._tokens[slot, int(s[keys.PROMPT_LEN][slot]) : int(s[keys.SEQ_LEN][slot])]
+
+    def pop_finished_sequences(self) -> dict[int, torch.Tensor]:
+        """Full token ids of episodes finished since the last call, by trajectory id (multi-turn envs;
+        a single-turn sequence is its prompt plus its actions, so this is empty here)."""
+        return _NO_SEQUENCES
 
     @property
     def is_exhausted(self) -> bool:
         """True once the prompt source is empty and no slot holds a live trajectory."""
         return self.source.is_exhausted and not bool(self._rt.state[keys.ACTIVE].any())
 
+    # -- checkpoints --
     def state_dict(self) -> dict:
         """Everything needed to resume: prompt cursor, slot contents, counters."""
         return {
             "source": self.source.state_dict(),
-            "tokens": self.tokens.clone(),
+            "tokens": self._tokens.clone(),
             "state": {k: v.clone() for k, v in self._rt.state.items()},
             "done": self._rt.done.clone(),
             "is_reset": self._rt.is_reset,
             "next_traj": self._rt.next_traj,
-            "prompts": list(self._prompts),
+            "prompts": [None if p is None else _prompt_state(p) for p in self._prompts],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore from :meth:`state_dict`."""
+        """Restore from :meth:`state_dict` (of an env with the same batch size and max_length)."""
+        saved = tuple(state["tokens"].shape)
+        if saved != tuple(self._tokens.shape):
+            raise ValueError(
+                f"this checkpoint is of an env with (batch_size, max_length) {saved}, this env has "
+                f"{tuple(self._tokens.shape)}; resume with the same batch_size and max_length"
+            )
         self.source.load_state_dict(state["source"])
-        self.tokens.copy_(state["tokens"])
+        self._tokens.copy_(state["tokens"])
         for k, v in state["state"].items():
-            self._rt.state[k].copy_(v)
-        self._rt.done.copy_(state["done"])
+            self._rt.state[k] = v.clone()
+        self._rt.done = state["done"].clone()
         self._rt.is_reset, self._rt.next_traj = state["is_reset"], state["next_traj"]
-        self._prompts = list(state["prompts"])
+        if len(state["prompts"]) != self.batch_size[0]:
+            raise ValueError(
+                f"this checkpoint holds {len(state['prompts'])} slots but the env has batch_size {self.batch_size[0]}; "
+                "resume with an env of the same batch_size"
+            )
+        self._prompts = [None if p is None else Prompt(**p) for p in state["prompts"]]
 
     # -- reset --
     def _fill_slot(self, b: int) -> None:
-        prompt = self.source.next()
+        self._load_prompt(b, self.source.next())
+
+    def _load_prompt(self, b: int, prompt: Prompt | None) -> None:
         s = self._rt.state
         self._prompts[b] = prompt
         s[keys.RESPONSE_LEN][b] = 0
@@ -178,7 +213,7 @@ class TokenEnv(EnvBase):
                 f"prompt {prompt.index} has {n} tokens but max_length is {self.max_length} (prompt + response); "
                 "shorten the prompt or raise max_length"
             )
-        self.tokens[b, :n] = prompt.ids
+        self._tokens[b, :n] = prompt.ids
         s[keys.TOKEN][b] = prompt.ids[-1]
         s[keys.SEQ_LEN][b] = n
         s[keys.PROMPT_LEN][b] = n
@@ -189,19 +224,36 @@ class TokenEnv(EnvBase):
         self._rt.next_traj += 1
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
-        if tensordict is not None and "_reset" in tensordict.keys():
-            slots = tensordict.get("_reset").reshape(-1).nonzero().squeeze(-1).tolist()
+        if tensordict is not None and keys.RESET in tensordict.keys():
+            slots = tensordict.get(keys.RESET).reshape(-1).nonzero().squeeze(-1).tolist()
         else:
             slots = range(self.batch_size[0])
-        # copy-on-write: tensors handed out by earlier steps are never mutated
-        self._rt.state = {k: v.clone() for k, v in self._rt.state.items()}
-        self._rt.done = self._rt.done.clone()
+        return self.refill(slots)
+
+    def refill(self, slots: Iterable[int]) -> TensorDictBase:
+        """Load the next prompts into ``slots`` (a partial reset) and return the observation of every slot."""
+        self._copy_on_write()
         for b in slots:
             self._rt.done[b] = False
             self._fill_slot(b)
         self._rt.is_reset = True
         zeros = torch.zeros(self.batch_size[0], 1, dtype=torch.bool)
         return self._observation(self._rt.done.unsqueeze(-1).clone(), zeros, zeros.clone())
+
+    def restart(self, slots: Iterable[int]) -> TensorDictBase:
+        """Start the trajectories in ``slots`` over from their prompt, under a new trajectory id (their
+        tokens so far are dropped: e.g. in-flight work after a weight update). Returns the observation."""
+        self._copy_on_write()
+        for b in slots:
+            self._rt.done[b] = False
+            self._load_prompt(b, self._prompts[b])
+        zeros = torch.zeros(self.batch_size[0], 1, dtype=torch.bool)
+        return self._observation(self._rt.done.unsqueeze(-1).clone(), zeros, zeros.clone())
+
+    def _copy_on_write(self) -> None:
+        # tensors handed out by earlier steps are never mutated
+        self._rt.state = {k: v.clone() for k, v in self._rt.state.items()}
+        self._rt.done = self._rt.done.clone()
 
     def _observation(self, done, terminated, truncated, reward=None) -> TensorDictBase:
         out = dict(self._rt.state)  # shared: the state is replaced, never written in place, after a step
@@ -211,6 +263,19 @@ class TokenEnv(EnvBase):
         return TensorDict._new_unsafe(out, batch_size=self.batch_size)
 
     # -- step --
+    def step_and_maybe_reset(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
+        """One token per slot, then refill the slots that finished: ``(tensordict with "next", next obs)``.
+
+        Same contract as TorchRL's ``EnvBase.step_and_maybe_reset`` without its generic spec checks
+        (the env validates the action itself), so a collector's per-step cost stays small.
+        """
+        nxt = self._step(tensordict)
+        tensordict.set(keys.NEXT, nxt)
+        done = nxt.get(keys.DONE[1])
+        if bool(done.any()):
+            return tensordict, self.refill(done.reshape(-1).nonzero().squeeze(-1).tolist())
+        return tensordict, self._observation(done, nxt.get(keys.TERMINATED[1]), nxt.get(keys.TRUNCATED[1]))
+
     def _check_action(self, action) -> torch.Tensor:
         if not isinstance(action, torch.Tensor):
             raise TypeError(f"action must be an int64 tensor of shape {tuple(self.batch_size)}, got {type(action)}")
@@ -226,20 +291,21 @@ class TokenEnv(EnvBase):
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         action, active, previous, new_len, resp_len, ended, limited = self._advance(tensordict)
-        terminated, truncated = ended, limited & ~ended
-        done = terminated | truncated
-        reward = torch.zeros(self.batch_size[0], 1)
-        if bool(done.any()):
+        end = TurnEnd(terminated=ended, truncated=limited & ~ended, reward=torch.zeros(self.batch_size[0], 1))
+        if bool((ended | limited).any()):
             try:
-                self._score(done.nonzero().squeeze(-1), new_len, reward)
+                end = self._end_turns(ended, limited, new_len)
             except RewardFunctionError:
                 self._rollback(previous)
                 raise
+        done = end.terminated | end.truncated
         self._commit(action, active, new_len, resp_len, done)
-        return self._observation(done.unsqueeze(-1), terminated.unsqueeze(-1), truncated.unsqueeze(-1), reward)
+        self._continue_turns(end.appended, new_len)
+        return self._observation(done.unsqueeze(-1), end.terminated.unsqueeze(-1), end.truncated.unsqueeze(-1),
+                                 end.reward)  # fmt: skip
 
     def _advance(self, tensordict: TensorDictBase):
-        """Validate the action, write it into :attr:`tokens` and find the slots whose turn ended.
+        """Validate the action, write it into the token buffer and find the slots whose turn ended.
 
         Returns ``(action, active, previous, new_len, resp_len, ended, limited)``: ``ended`` marks an
         EOS / stop string, ``limited`` a budget or context limit (a truncation unless ``ended``).
@@ -249,22 +315,25 @@ class TokenEnv(EnvBase):
         action = self._check_action(tensordict.get(keys.ACTION))
         s = self._rt.state
         active = s[keys.ACTIVE]
-        if bool((self._rt.done & active).any()):
-            slots = (self._rt.done & active).nonzero().squeeze(-1).tolist()
-            raise ResetNeeded(f"slots {slots} are done; reset them (td['_reset']) or use env.step_and_maybe_reset")
+        self._check_not_done(active)
         seq_len = s[keys.SEQ_LEN]
-        previous = self.tokens[self._arange, seq_len]
-        self.tokens[self._arange, seq_len] = torch.where(active, action, previous)
+        previous = self._tokens[self._arange, seq_len]
+        self._tokens[self._arange, seq_len] = torch.where(active, action, previous)
         new_len, resp_len = seq_len + active, s[keys.RESPONSE_LEN] + active
         ended = active & torch.isin(action, self._eos)
         if self._stop.is_enabled:
-            ended |= self._stop.hits(self.tokens, action, active & ~ended, s[keys.PROMPT_LEN], new_len)
+            ended |= self._stop.hits(self._tokens, action, active & ~ended, s[keys.PROMPT_LEN], new_len)
         limited = active & ((resp_len >= self.max_new_tokens) | (new_len >= self.max_length))
         return action, active, previous, new_len, resp_len, ended, limited
 
+    def _check_not_done(self, active: torch.Tensor) -> None:
+        if bool((self._rt.done & active).any()):
+            slots = (self._rt.done & active).nonzero().squeeze(-1).tolist()
+            raise ResetNeeded(f"slots {slots} are done; reset them (td['_reset']) or use env.step_and_maybe_reset")
+
     def _rollback(self, previous: torch.Tensor) -> None:
         """Undo :meth:`_advance`'s write: a failed step leaves no trace."""
-        self.tokens[self._arange, self._rt.state[keys.SEQ_LEN]] = previous
+        self._tokens[self._arange, self._rt.state[keys.SEQ_LEN]] = previous
 
     def _commit(self, action, active, new_len, resp_len, done) -> None:
         """Make the step the env's state (only after every user callback succeeded)."""
@@ -273,13 +342,24 @@ class TokenEnv(EnvBase):
         s[keys.SEQ_LEN], s[keys.RESPONSE_LEN] = new_len, resp_len
         self._rt.done = done
 
+    # -- turn ends (overridden by multi-turn envs) --
+    def _end_turns(self, ended: torch.Tensor, limited: torch.Tensor, new_len: torch.Tensor) -> TurnEnd:
+        """Score the slots whose turn ended (here: the episode ends with it). Raises RewardFunctionError."""
+        done = ended | limited
+        reward = torch.zeros(self.batch_size[0], 1)
+        self._score(done.nonzero().squeeze(-1), new_len, reward)
+        return TurnEnd(terminated=ended, truncated=limited & ~ended, reward=reward)
+
+    def _continue_turns(self, appended: dict[int, torch.Tensor], new_len: torch.Tensor) -> None:
+        """Move continuing slots to their next turn (multi-turn envs); nothing continues here."""
+
     def _score(self, slots: torch.Tensor, new_len: torch.Tensor, reward: torch.Tensor) -> None:
         if self.reward_fn is None:
             return
         slots = slots.tolist()
         p_len = self._rt.state[keys.PROMPT_LEN]
         responses = self.tokenizer.batch_decode(
-            [self.tokens[b, int(p_len[b]) : int(new_len[b])] for b in slots], skip_special_tokens=True
+            [self._tokens[b, int(p_len[b]) : int(new_len[b])] for b in slots], skip_special_tokens=True
         )
         prompts = [self._prompts[b] for b in slots]
         try:
@@ -291,7 +371,56 @@ class TokenEnv(EnvBase):
                 f"(first: prompt {first.index} {first.text[:60]!r}, trajectory {int(self._rt.state[keys.TRAJ_ID][slots[0]])}); "
                 "the env state is unchanged, fix the reward function and step again"
             ) from err
-        reward[slots, 0] = _check_rewards(values, slots, prompts)
+        reward[slots, 0] = check_rewards(values, slots, prompts)
+
+    # -- whole waves --
+    def wave_request(self) -> WaveRequest:
+        """The live slots a generation backend should continue until their turn ends (see :meth:`unroll`).
+
+        Done slots must be refilled first (:meth:`refill`); an exhausted source gives an empty request.
+        """
+        s = self._rt.state
+        self._check_not_done(s[keys.ACTIVE])
+        slots = s[keys.ACTIVE].nonzero().squeeze(-1)
+        seq_len, resp_len = s[keys.SEQ_LEN][slots], s[keys.RESPONSE_LEN][slots]
+        budget = torch.minimum(self.max_new_tokens - resp_len, self.max_length - seq_len)
+        prompts = [self._tokens[b, : int(n)] for b, n in zip(slots.tolist(), seq_len.tolist(), strict=True)]
+        return WaveRequest(slots=slots, prompts=prompts, max_new_tokens=budget,
+                           eos_token_ids=tuple(sorted(self.eos_token_ids)), stop_strings=self.stop_strings)  # fmt: skip
+
+    def unroll(self, request: WaveRequest, result: WaveResult) -> TensorDictBase:
+        """The steps (B, T) that stepping the env through ``result``'s tokens gives, built at once.
+
+        Applies the env's own termination (EOS, stop strings, ``max_new_tokens``, ``max_length``;
+        tokens past a row's end are dropped, and a row the backend ended without any of these is
+        truncated) and rewards (one ``reward_fn`` call for the wave), writes the tokens into the
+        buffer and leaves every slot of the wave at its turn's end (done, or continuing to its next
+        turn in a multi-turn env). Slots outside the request idle (``active`` False). The result holds
+        the observation, ``action``, ``action_log_prob`` (``raw_log_prob`` when given),
+        ``policy_version`` and ``("next", ...)`` of every step.
+        """
+        if not self._rt.is_reset:
+            raise ResetNeeded("TokenEnv.unroll before reset(); call env.reset() first")
+        wave = WaveSteps.from_result(request, result, self.batch_size[0])
+        steps = unroll_wave(wave, self._rt.state, self._tokens, self._unroll_rules())
+        try:
+            end = self._end_turns(steps.ended, steps.limited, steps.new_len)
+        except RewardFunctionError:
+            steps.rollback(self._tokens)
+            raise
+        done = end.terminated | end.truncated
+        self._copy_on_write()
+        self._commit(steps.last_action, steps.in_wave, steps.new_len, steps.resp_len, done)
+        self._continue_turns(end.appended, steps.new_len)
+        return steps.to_tensordict(end, self._rt.state)
+
+    def _unroll_rules(self):
+        return dict(eos=self._eos, stop=self._stop, max_new_tokens=self.max_new_tokens, max_length=self.max_length)
+
+
+def _prompt_state(prompt: Prompt) -> dict:
+    """A prompt as plain data (a checkpoint loads with ``torch.load(weights_only=True)``)."""
+    return {f.name: getattr(prompt, f.name) for f in dataclasses.fields(prompt)}
 
 
 class _Runtime:
@@ -302,53 +431,3 @@ class _Runtime:
         self.done = torch.zeros(0, dtype=torch.bool)
         self.is_reset = False
         self.next_traj = 0
-
-
-def _check_rewards(values, slots: list[int], prompts: list[Prompt]) -> torch.Tensor:
-    n, first = len(slots), f"slots {slots} (first: prompt {prompts[0].index} {prompts[0].text[:60]!r})"
-    try:
-        out = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise RewardFunctionError(f"reward_fn must return {n} numbers for {first}, got {values!r:.80} ({err})") from err
-    if out.numel() != n:
-        raise RewardFunctionError(
-            f"reward_fn returned {out.numel()} values for {n} finished responses in {first}; "
-            "return one float per response"
-        )
-    if not bool(torch.isfinite(out).all()):
-        bad = int((~torch.isfinite(out)).nonzero()[0])
-        raise RewardFunctionError(
-            f"reward_fn returned {out[bad].item()} for slot {slots[bad]}, prompt {prompts[bad].index} "
-            f"{prompts[bad].text[:60]!r}; rewards must be finite"
-        )
-    return out
-
-
-def _check_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _check_tokenizer(tokenizer) -> None:
-    for attr in ("pad_token_id", "eos_token_id"):
-        if getattr(tokenizer, attr, None) is None:
-            raise ValueError(
-                f"the tokenizer has no {attr}; set it first, e.g. tokenizer.pad_token = tokenizer.eos_token"
-                if attr == "pad_token_id"
-                else "the tokenizer has no eos_token_id; set tokenizer.eos_token or pass eos_token_ids"
-            )
-
-
-def _eos_ids(tokenizer, model_config, explicit, vocab_size: int) -> set[int]:
-    if explicit is not None:
-        ids = {int(i) for i in explicit}
-    else:
-        ids = {int(tokenizer.eos_token_id)}
-        gen_eos = getattr(getattr(model_config, "generation_config", None), "eos_token_id", None)
-        gen_eos = gen_eos if gen_eos is not None else getattr(model_config, "eos_token_id", None)
-        if gen_eos is not None:
-            ids |= {int(i) for i in (gen_eos if isinstance(gen_eos, list | tuple) else [gen_eos])}
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise ValueError(f"eos token ids {bad} are outside the vocabulary [0, {vocab_size})")
-    return ids

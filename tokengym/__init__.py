@@ -1,11 +1,44 @@
-"""tokengym: TensorDict-native token-level environments, collectors and transforms for RL on LLMs."""
+"""tokengym: TensorDict-native token-level environments, collectors and transforms for RL on LLMs.
 
-from tokengym.collectors import *  # noqa: F401,F403
-from tokengym.collectors import __all__ as _collectors_all
-from tokengym.llm_envs import *  # noqa: F401,F403
-from tokengym.llm_envs import __all__ as _envs_all
-from tokengym.transforms import *  # noqa: F401,F403
-from tokengym.transforms import __all__ as _transforms_all
+The top level holds what a quickstart types; everything else is importable from its subpackage
+(``tokengym.llm_envs``, ``tokengym.transforms``, ``tokengym.collectors``).
+"""
+
+from tokengym.collectors import (
+    CollectMode,
+    PaddedSequenceActor,
+    PolicyWithReference,
+    SamplingConfig,
+    SequenceActor,
+    StepwiseReference,
+    TokenCollector,
+    TokenPolicy,
+    TransformersPolicy,
+)
+from tokengym.llm_envs import MathAnswerReward, MultiTurnTokenEnv, PromptSource, TokenEnv, Turn, check_env, keys
+from tokengym.transforms import AdaptiveKLController, GAEAdvantage, GroupAdvantage, KLRewardTransform, to_padded
 
 __version__ = "0.1.0"
-__all__ = [*_envs_all, *_transforms_all, *_collectors_all]
+__all__ = [
+    "AdaptiveKLController",
+    "CollectMode",
+    "GAEAdvantage",
+    "GroupAdvantage",
+    "KLRewardTransform",
+    "MathAnswerReward",
+    "MultiTurnTokenEnv",
+    "PaddedSequenceActor",
+    "PolicyWithReference",
+    "PromptSource",
+    "SamplingConfig",
+    "SequenceActor",
+    "StepwiseReference",
+    "TokenCollector",
+    "TokenEnv",
+    "TokenPolicy",
+    "TransformersPolicy",
+    "Turn",
+    "check_env",
+    "keys",
+    "to_padded",
+]

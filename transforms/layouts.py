@@ -19,14 +19,16 @@ from tokengym.transforms.scoring import sequence_layout
 
 __all__ = ["to_padded", "padded_to_steps", "to_packed", "dpo_pairs"]
 
-_LAYOUT_KEYS = (keys.TOKENS, keys.ATTENTION_MASK, keys.ACTION_MASK, keys.POSITION_IDS)
+# the nested TorchRL keys are dropped whole (excluding a leaf would leave an empty sub-TensorDict)
+_LAYOUT_KEYS = (keys.TOKENS[0], keys.LOG_PROBS[0], keys.ATTENTION_MASK, keys.ACTION_MASK, keys.POSITION_IDS)
 
 
 def to_padded(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_id: int = 0) -> TensorDictBase:
     """Padded sequence layout [N, P + T]: left-padded prompt + right-padded response, one row per trajectory.
 
-    Writes ``keys.TOKENS``, ``keys.ATTENTION_MASK``, ``keys.ACTION_MASK`` (generated tokens),
-    ``keys.POSITION_IDS`` and, token-aligned in the response columns, every step key of ``batch``
+    Writes ``keys.TOKENS``, ``keys.LOG_PROBS`` (TorchRL's ``("tokens", "full")`` and
+    ``("log_probs", "full")``, what ``GRPOLoss`` reads), ``keys.ATTENTION_MASK``, ``keys.ACTION_MASK``
+    (generated tokens), ``keys.POSITION_IDS`` and, token-aligned in the response columns, every step key of ``batch``
     (0 / False in the prompt columns). ``keys.RESPONSE_START`` (non-tensor) holds ``P``.
     Multi-turn rows (``keys.TURN > 0``) hold their full sequence from the PromptTable: env feedback
     sits between the turns with ``ACTION_MASK`` False and step keys 0, and step ``t`` is at column
@@ -65,6 +67,8 @@ def to_padded(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_
     out = data.apply(place, batch_size=[n, length])
     action_mask = layout.action_mask
     out.set(keys.TOKENS, tokens)
+    if keys.ACTION_LOG_PROB in out.keys():
+        out.set(keys.LOG_PROBS, out.get(keys.ACTION_LOG_PROB))
     out.set(keys.ATTENTION_MASK, attention_mask)
     out.set(keys.ACTION_MASK, action_mask)
     out.set(keys.POSITION_IDS, (attention_mask.long().cumsum(-1) - 1).clamp(min=0))

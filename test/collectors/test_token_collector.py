@@ -149,7 +149,7 @@ def test_long_run_memory_is_bounded(make_env, make_policy):
     collector = TokenCollector(env, make_policy(env), mode="trajectories", batch_size=2)
     sizes = []
     for i, _ in enumerate(collector):
-        sizes.append((len(collector._prompts), collector.policy.cache.nbytes(), len(collector._rec.finished)))
+        sizes.append((len(collector.prompts), collector.policy.cache.nbytes(), len(collector.recorder.finished)))
         if i == 300:
             break
     assert max(s[0] for s in sizes[50:]) <= max(s[0] for s in sizes[:50]) + 2
@@ -160,7 +160,7 @@ def test_long_run_memory_is_bounded(make_env, make_policy):
 def test_bad_arguments(make_env, make_policy, model):
     env = make_env()
     policy = make_policy(env)
-    with pytest.raises(ValueError, match=r"batch_size \(steps_per_batch \(env steps\)\) must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"batch_size / frames_per_batch \(steps_per_batch \(env steps\)\) must be a positive int, got 0"):
         TokenCollector(env, policy, mode="steps", batch_size=0)
     with pytest.raises(ValueError, match=r"mode must be one of \['steps', 'trajectories'\], got 'frames'"):
         TokenCollector(env, policy, mode="frames", batch_size=2)

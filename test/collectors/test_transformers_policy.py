@@ -72,7 +72,7 @@ def test_policy_version_is_stamped(make_env, make_policy):
     policy = make_policy(env)
     td = policy(env.reset())
     assert td["policy_version"].tolist() == [0] * 4
-    policy.bump_version()
+    policy.update_weights()
     _, td = env.step_and_maybe_reset(td)
     assert policy(td)["policy_version"].tolist() == [1] * 4
 
@@ -117,6 +117,6 @@ def test_score_reproduces_the_sampling_log_probs(make_env, make_policy):
     policy = make_policy(env, sampling=SamplingConfig(temperature=0.8))
     batch = next(iter(TokenCollector(env, policy, mode="trajectories", batch_size=4)))
     mask = batch[keys.MASK]
-    logp, entropy = policy.score(batch, with_entropy=True)
+    logp, entropy = policy.teacher_forced_log_probs(batch, with_entropy=True)
     assert torch.allclose(logp[mask], batch[keys.ACTION_LOG_PROB][mask], atol=1e-5)
     assert bool((entropy[mask] > 0).all()) and bool((entropy[~mask] == 0).all())

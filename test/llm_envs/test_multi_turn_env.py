@@ -145,4 +145,4 @@ def test_failing_turn_fn_leaves_env_unchanged(tokenizer, turn_fn, match):
     after = env.state_dict()
     assert torch.equal(before["tokens"], after["tokens"])
     assert all(torch.equal(before["state"][k], after["state"][k]) for k in before["state"])
-    assert not env.finished_sequences
+    assert not env.pop_finished_sequences()

@@ -54,7 +54,7 @@ def test_bad_input():
     batch = make_trajectory_batch([2, 3])
     with pytest.raises(KeyError, match="padded_to_steps reads 'response_start'"):
         padded_to_steps(to_padded(batch).exclude(keys.RESPONSE_START))
-    with pytest.raises(KeyError, match="padded_to_steps reads 'tokens'"):
+    with pytest.raises(KeyError, match=r"padded_to_steps reads \('tokens', 'full'\)"):
         padded_to_steps(batch)
     with pytest.raises(KeyError, match="reads the PromptTable"):
         to_padded(batch.exclude(keys.PROMPTS))

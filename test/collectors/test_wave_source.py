@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from tokengym.collectors import SamplingConfig, TokenCollector, UnrollCollector
+import functools
+
+from tokengym.collectors import SamplingConfig, TokenCollector
 from tokengym.llm_envs import keys
 
 EOS_IDS = list(range(1, 512, 7))  # many end ids, so trajectories stop at different steps
@@ -28,7 +30,7 @@ def _first_wave(collector_cls, make_env, make_policy, sampling, **env_kwargs):
 @pytest.mark.parametrize("stop_strings", [(), ("a",)], ids=["eos", "stop-string"])
 def test_unroll_equals_stepping(make_env, make_policy, sampling, stop_strings):
     step = _first_wave(TokenCollector, make_env, make_policy, sampling, stop_strings=stop_strings)
-    unroll = _first_wave(UnrollCollector, make_env, make_policy, sampling, stop_strings=stop_strings)
+    unroll = _first_wave(functools.partial(TokenCollector, source="wave"), make_env, make_policy, sampling, stop_strings=stop_strings)
     assert step["traj_id"][:, 0].tolist() == unroll["traj_id"][:, 0].tolist() == [0, 1, 2, 3]
     mask = step[keys.MASK]
     assert torch.equal(mask, unroll[keys.MASK])
@@ -47,12 +49,12 @@ def test_unroll_equals_stepping(make_env, make_policy, sampling, stop_strings):
 
 def test_unroll_steps_mode_is_a_wave_scheme(make_env, make_policy):
     env = make_env(batch_size=3, max_new_tokens=6, eos_token_ids=EOS_IDS)
-    padded = next(iter(UnrollCollector(env, make_policy(env), mode="trajectories", batch_size=5,
-                                       total_steps=30)))  # fmt: skip
+    padded = next(iter(TokenCollector(env, make_policy(env), mode="trajectories", batch_size=5,
+                                      total_steps=30, source="wave")))  # fmt: skip
     assert bool((~padded[keys.MASK]).any())
     assert not bool(padded["action"][~padded[keys.MASK]].any())  # padding is zeros, not generate's pads
     env = make_env(batch_size=3, max_new_tokens=6)
-    batches = list(UnrollCollector(env, make_policy(env), mode="steps", batch_size=4, total_steps=12))
+    batches = list(TokenCollector(env, make_policy(env), mode="steps", batch_size=4, total_steps=12, source="wave"))
     assert [tuple(b.shape) for b in batches] == [(3, 4)] * 3
     resp = torch.cat(batches, 1)["response_len"]
     assert resp[0].tolist() == [0, 1, 2, 3, 4, 5] * 2  # every slot restarts when the wave ends
@@ -62,7 +64,7 @@ def test_unroll_needs_a_bare_env_and_a_generating_policy(make_env, make_policy, 
     from torchrl.envs import TransformedEnv
 
     env = make_env()
-    with pytest.raises(TypeError, match=r"UnrollCollector needs a policy with generate_wave, got function"):
-        UnrollCollector(env, random_policy(512), mode="steps", batch_size=2)
-    with pytest.raises(TypeError, match=r"UnrollCollector needs a bare TokenEnv"):
-        UnrollCollector(TransformedEnv(env), make_policy(env), mode="steps", batch_size=2)
+    with pytest.raises(TypeError, match=r"source='wave' needs a policy with generate\(WaveRequest\) -> WaveResult, got FunctionPolicy"):
+        TokenCollector(env, random_policy(512), mode="steps", batch_size=2, source="wave")
+    with pytest.raises(TypeError, match=r"source='wave' needs a bare TokenEnv"):
+        TokenCollector(TransformedEnv(env), make_policy(env), mode="steps", batch_size=2, source="wave")

@@ -1,0 +1,58 @@
+"""Metrics of a collected batch: what a user of an RL-for-LLM library expects to log."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+
+from tokengym.llm_envs import keys
+
+__all__ = ["batch_metrics"]
+
+
+def batch_metrics(batch: TensorDictBase, elapsed: float, version: int, steps: int, *,
+                  is_last_step_only: bool = False) -> dict[str, float]:  # fmt: skip
+    """Reward mean/std, zero-std groups, response lengths, truncation, KL, tokens/s and version lag."""
+    mask = batch.get(keys.MASK) if not is_last_step_only else torch.ones(batch.shape, dtype=torch.bool)
+    done = batch.get(keys.DONE).squeeze(-1) & mask
+    n_done = int(done.sum())
+    names = batch.keys(True)
+    reward = batch.get(keys.REWARD_RAW if keys.REWARD_RAW in names else keys.REWARD).squeeze(-1)
+    tokens = int(batch.get(keys.MASK).sum()) if not is_last_step_only else int(batch.get(keys.RESPONSE_LEN).sum() + n_done)
+    lag = (version - batch.get(keys.POLICY_VERSION)[mask]).float()
+    out = {
+        "tokens": tokens,
+        "tokens_per_s": tokens / max(elapsed, 1e-9),
+        "finished": n_done,
+        "policy_version": version,
+        "steps": steps,
+        "staleness_mean": float(lag.mean()) if lag.numel() else 0.0,
+        "staleness_max": float(lag.max()) if lag.numel() else 0.0,
+    }
+    nan = float("nan")
+    if n_done:
+        final = reward[done].double()
+        resp = batch.get((keys.NEXT, keys.RESPONSE_LEN))[done].float()
+        truncated = batch.get(keys.TRUNCATED).squeeze(-1)[done]
+        groups = batch.get(keys.GROUP_ID)[done]
+        out.update(mean_reward=float(final.mean()), reward_std=float(final.std()) if n_done > 1 else 0.0,
+                   mean_response_len=float(resp.mean()), max_response_len=float(resp.max()),
+                   truncated_fraction=float(truncated.float().mean()),
+                   zero_std_group_fraction=_zero_std_fraction(final, groups))  # fmt: skip
+    else:
+        out.update(mean_reward=nan, reward_std=nan, mean_response_len=nan, max_response_len=nan,
+                   truncated_fraction=nan, zero_std_group_fraction=nan)  # fmt: skip
+    if keys.KL in names:
+        out["kl_mean"] = float(batch.get(keys.KL)[mask].float().mean())
+    return out
+
+
+def _zero_std_fraction(rewards: torch.Tensor, groups: torch.Tensor) -> float:
+    """Fraction of groups (with 2+ finished samples here) whose rewards are all equal."""
+    _, inverse = groups.unique(return_inverse=True)
+    n = int(inverse.max()) + 1
+    lo = torch.full((n,), float("inf"), dtype=torch.float64).scatter_reduce(0, inverse, rewards, "amin")
+    hi = torch.full((n,), -float("inf"), dtype=torch.float64).scatter_reduce(0, inverse, rewards, "amax")
+    size = torch.zeros(n).scatter_add(0, inverse, torch.ones(len(inverse)))
+    multi = size > 1
+    return float((lo[multi] == hi[multi]).float().mean()) if bool(multi.any()) else 0.0

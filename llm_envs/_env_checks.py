@@ -1,0 +1,66 @@
+"""Checks of TokenEnv arguments and of reward-function outputs (clear errors at construction or at the step)."""
+
+from __future__ import annotations
+
+import torch
+
+from tokengym.llm_envs.errors import RewardFunctionError
+from tokengym.llm_envs.prompts import Prompt
+
+
+def context_limit(tokenizer, model_config) -> int:
+    """The model's context length (config), else the tokenizer's ``model_max_length``, capped at 65536."""
+    limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+    if limit is None:
+        limit = getattr(tokenizer, "model_max_length", 4096)
+    return int(min(limit, 1 << 16))
+
+
+def check_rewards(values, slots: list[int], prompts: list[Prompt]) -> torch.Tensor:
+    n, first = len(slots), f"slots {slots} (first: prompt {prompts[0].index} {prompts[0].text[:60]!r})"
+    try:
+        out = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise RewardFunctionError(f"reward_fn must return {n} numbers for {first}, got {values!r:.80} ({err})") from err
+    if out.numel() != n:
+        raise RewardFunctionError(
+            f"reward_fn returned {out.numel()} values for {n} finished responses in {first}; "
+            "return one float per response"
+        )
+    if not bool(torch.isfinite(out).all()):
+        bad = int((~torch.isfinite(out)).nonzero()[0])
+        raise RewardFunctionError(
+            f"reward_fn returned {out[bad].item()} for slot {slots[bad]}, prompt {prompts[bad].index} "
+            f"{prompts[bad].text[:60]!r}; rewards must be finite"
+        )
+    return out
+
+
+def check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_tokenizer(tokenizer) -> None:
+    for attr in ("pad_token_id", "eos_token_id"):
+        if getattr(tokenizer, attr, None) is None:
+            raise ValueError(
+                f"the tokenizer has no {attr}; set it first, e.g. tokenizer.pad_token = tokenizer.eos_token"
+                if attr == "pad_token_id"
+                else "the tokenizer has no eos_token_id; set tokenizer.eos_token or pass eos_token_ids"
+            )
+
+
+def eos_ids(tokenizer, model_config, explicit, vocab_size: int) -> set[int]:
+    if explicit is not None:
+        ids = {int(i) for i in explicit}
+    else:
+        ids = {int(tokenizer.eos_token_id)}
+        gen_eos = getattr(getattr(model_config, "generation_config", None), "eos_token_id", None)
+        gen_eos = gen_eos if gen_eos is not None else getattr(model_config, "eos_token_id", None)
+        if gen_eos is not None:
+            ids |= {int(i) for i in (gen_eos if isinstance(gen_eos, list | tuple) else [gen_eos])}
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"eos token ids {bad} are outside the vocabulary [0, {vocab_size})")
+    return ids

@@ -1,0 +1,104 @@
+"""Architecture rules checked on the source: no private reach-through across modules, every key string in
+keys.py, imports one way (llm_envs <- transforms <- collectors <- tokengym)."""
+
+import ast
+import pathlib
+
+import pytest
+
+from tokengym.llm_envs import keys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = {"llm_envs": 0, "transforms": 1, "collectors": 2, "tokengym": 3}
+MODULES = sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+
+def _tree(path):
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _private_names_defined(tree) -> set[str]:
+    """`_x` names a module defines: functions, classes, methods, class attributes, `self._x = ...`."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+    return {n for n in out if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_module_reads_another_modules_private_members():
+    trees = {path: _tree(path) for path in MODULES}
+    defined = {path: _private_names_defined(tree) for path, tree in trees.items()}
+    ours = set().union(*defined.values())
+    offences = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tokengym"):
+                folder = ROOT / (node.module.split(".")[1] if "." in node.module else "tokengym")
+                offences += [f"{path.name}: imports {a.name} from {node.module}" for a in node.names
+                             if a.name.startswith("_") and not a.name.startswith("__")
+                             and not (folder / f"{a.name}.py").exists()]  # a private module, not a member  # fmt: skip
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if node.attr in ours and node.attr not in defined[path]:
+                offences.append(f"{path.relative_to(ROOT)}:{node.lineno} reads .{node.attr}")
+    assert not offences, "private members read across modules:\n" + "\n".join(offences)
+
+
+def _key_strings() -> set[str]:
+    out = set()
+    for name in dir(keys):
+        value = getattr(keys, name)
+        if name.isupper() and isinstance(value, str):
+            out.add(value)
+        elif name.isupper() and isinstance(value, tuple) and all(isinstance(v, str) for v in value):
+            out.update(value)
+    return out - {""}
+
+
+_NESTED_ROOTS = {k[0] for k in vars(keys).values() if isinstance(k, tuple) and k and isinstance(k[0], str)}
+# metric names that happen to equal a key string, read from a metrics dict (not a TensorDict)
+_METRIC_READS = {("tokengym/_demo.py", "kl")}
+_KEY_METHODS = {"get", "set", "set_non_tensor", "get_non_tensor", "exclude", "select", "pop", "rename_key_"}
+
+
+def _key_literals(tree):
+    """String literals used as TensorDict keys: arguments of get/set/exclude/..., and nested-key tuples."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _KEY_METHODS:
+            for arg in node.args[:1]:
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    yield arg
+        if isinstance(node, ast.Tuple) and len(node.elts) >= 2:  # a nested key: ("next", "reward")
+            if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+                if node.elts[0].value in _NESTED_ROOTS:
+                    yield from node.elts
+
+
+def test_key_strings_are_only_typed_in_keys_py():
+    key_strings = _key_strings()
+    offences = []
+    for path in MODULES:
+        if path.name == "keys.py":
+            continue
+        for node in _key_literals(_tree(path)):
+            if node.value in key_strings and (str(path.relative_to(ROOT)), node.value) not in _METRIC_READS:
+                offences.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    assert not offences, "key strings typed outside llm_envs/keys.py:\n" + "\n".join(offences)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_go_one_way(path):
+    level = PACKAGES[path.relative_to(ROOT).parts[0]]
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tokengym."):
+            target = node.module.split(".")[1]
+            if target in PACKAGES:
+                assert PACKAGES[target] <= level, f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}"
