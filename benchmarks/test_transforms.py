@@ -7,7 +7,7 @@ import torch
 
 from tokengym.llm_envs import keys
 from tokengym.testing import make_trajectory_batch
-from tokengym.transforms import KLRewardTransform, make_advantage, to_padded
+from tokengym.transforms import KLRewardTransform, TurnDiscount, make_advantage, to_padded
 
 torch.set_num_threads(1)
 
@@ -31,6 +31,42 @@ def test_advantage_4096_sequences(benchmark, estimator):
     batch[keys.STATE_VALUE] = torch.rand(*batch.batch_size, 1)
     transform = make_advantage(estimator)
     benchmark.pedantic(lambda td: transform(td), setup=lambda: ((batch.clone(),), {}), rounds=5, warmup_rounds=1)
+
+
+def _interleaved_median(fns, rounds):
+    """Median seconds of each callable, timed in interleaved rounds (one call of each per round)."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - start)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+@pytest.mark.parametrize("masked_steps", ["skip", "zero"])
+def test_gae_mask_holes_vs_no_holes_4096(benchmark, masked_steps):
+    """GAE on a batch with 10% of its steps masked (holes: the rows are compacted) vs the same batch without."""
+    batch = _batch(4096, 32)
+    batch[keys.STATE_VALUE] = torch.rand(*batch.batch_size, 1)
+    holed = batch.clone()
+    holes = torch.rand(batch.batch_size, generator=torch.Generator().manual_seed(1)) < 0.1
+    holed[keys.MASK] = holed[keys.MASK] & ~holes
+    transform = make_advantage("gae", masked_steps=masked_steps)
+    plain_s, holed_s = _interleaved_median([lambda: transform(batch.clone()), lambda: transform(holed.clone())], 5)
+    benchmark.pedantic(lambda td: transform(td), setup=lambda: ((holed.clone(),), {}), rounds=5, warmup_rounds=1)
+    benchmark.extra_info.update(tokens=int(holed[keys.MASK].sum()), no_holes_s=plain_s, holes_s=holed_s,
+                                holes_over_no_holes=holed_s / plain_s)  # fmt: skip
+    print(f"\nGAE 4096x32 ({masked_steps}): no holes {plain_s * 1e3:.1f} ms, 10% holes {holed_s * 1e3:.1f} ms, "
+          f"{holed_s / plain_s:.2f}x")
+
+
+def test_turn_discount_4096_four_turns(benchmark):
+    batch = _batch(4096, 32)
+    batch[keys.TURN] = (torch.arange(32) // 8).expand(4096, 32).clone()  # turns of 8 tokens
+    transform = TurnDiscount(0.9)
+    benchmark.pedantic(lambda td: transform(td), setup=lambda: ((batch.clone(),), {}), rounds=5, warmup_rounds=1)
+    benchmark.extra_info["tokens"] = int(batch[keys.MASK].sum())
 
 
 def _loop_padded(batch, table, pad_id=0):

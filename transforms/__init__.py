@@ -8,14 +8,17 @@ from tokengym.transforms.advantages import (
     AdvantageEstimator,
     DiscountedReturns,
     GAEAdvantage,
+    MaskedSteps,
     discounted_returns,
     masked_whiten,
 )
 from tokengym.transforms.filtering import (
-    ClipFilterWeights,
+    ClipFilterLikeWeights,
     FilterMode,
+    RatioWindowWeights,
     ZeroStdGroupFilter,
-    clip_filter_weights,
+    clip_filter_like_weights,
+    ratio_window_weights,
 )
 from tokengym.transforms.group_advantages import (
     GroupAdvantage,
@@ -25,7 +28,7 @@ from tokengym.transforms.group_advantages import (
     sequence_scores,
 )
 from tokengym.transforms.kl_control import AdaptiveKLController, ConstantKLController, KLController
-from tokengym.transforms.kl_reward import KLEstimator, KLRewardTransform, kl_estimate
+from tokengym.transforms.kl_reward import K3Clamp, KLEstimator, KLRewardTransform, kl_estimate
 from tokengym.transforms.layouts import dpo_pairs, padded_to_steps, to_packed, to_padded
 from tokengym.transforms.reward_shaping import ClipReward, MissingEOSPenalty, OverlongPenalty, ScaleReward
 from tokengym.transforms.scoring import (
@@ -45,24 +48,27 @@ __all__ = [
     "AdaptiveKLController",
     "AdvantageEstimator",
     "BatchTransform",
-    "ClipFilterWeights",
+    "ClipFilterLikeWeights",
     "ClipReward",
     "ConstantKLController",
     "DiscountedReturns",
     "FilterMode",
     "GAEAdvantage",
     "GroupAdvantage",
+    "K3Clamp",
     "KLController",
     "KLEstimator",
     "KLRewardTransform",
+    "MaskedSteps",
     "MissingEOSPenalty",
+    "RatioWindowWeights",
     "OverlongPenalty",
     "ScaleReward",
     "TurnDiscount",
     "ZeroStdGroupFilter",
     "batch_sequences",
     "check_trajectory_rows",
-    "clip_filter_weights",
+    "clip_filter_like_weights",
     "discounted_returns",
     "dpo_pairs",
     "group_advantages",
@@ -71,6 +77,7 @@ __all__ = [
     "make_advantage",
     "masked_whiten",
     "padded_to_steps",
+    "ratio_window_weights",
     "sequence_log_probs",
     "sequence_scores",
     "split_trajectories",

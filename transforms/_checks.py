@@ -69,36 +69,78 @@ def squeeze_last(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return x.reshape(shape) if x.shape != shape else x
 
 
+def previous_valid(mask: torch.Tensor) -> torch.Tensor:
+    """int64 [N, T]: the column of the last valid step before ``t`` in its row, ``-1`` if none."""
+    col = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, col, torch.full_like(col, -1)).cummax(-1).values  # last valid column <= t
+    out = torch.full_like(last, -1)
+    out[:, 1:] = last[:, :-1]
+    return out
+
+
+def next_valid(mask: torch.Tensor) -> torch.Tensor:
+    """int64 [N, T]: the column of the first valid step after ``t`` in its row, ``-1`` if none."""
+    width = mask.shape[-1]
+    flipped = previous_valid(mask.flip(-1))
+    return torch.where(flipped < 0, flipped, width - 1 - flipped).flip(-1)
+
+
 def sequence_index(td: TensorDictBase, owner: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Number the trajectories of a batch: a new one starts at ``t == 0`` or where ``TRAJ_ID`` changes.
+    """Number the trajectories of a batch from their ids: a trajectory is the valid steps of one row that
+    share a ``keys.TRAJ_ID``, read in order.
+
+    A step with ``keys.MASK`` False is skipped: a new trajectory starts at a valid step whose id differs
+    from the previous *valid* step of its row, so a trajectory whose first step is masked does not merge
+    with the one before it, and a hole inside a trajectory does not cut it in two.
 
     Returns ``(seq, mask, num_seqs)``: ``seq`` int64 [N, T] is the trajectory index of each step
-    (in row-major order, ``-1`` on padding), ``mask`` the valid steps.
+    (in row-major order, ``-1`` on masked steps), ``mask`` the valid steps.
     """
     traj = require(td, keys.TRAJ_ID, owner)
     mask = valid_mask(td)
-    start = torch.ones_like(mask)
-    start[:, 1:] = traj[:, 1:] != traj[:, :-1]
-    start &= mask
+    start = mask.clone()
+    if bool((mask[:, 1:] & ~mask[:, :-1]).any()):  # a valid step after a masked one: compare across the gap
+        prev = previous_valid(mask)
+        start &= (prev < 0) | (traj != traj.gather(-1, prev.clamp(min=0)))
+    else:  # valid steps form a prefix of each row: the previous valid step is the previous column
+        start[:, 1:] &= traj[:, 1:] != traj[:, :-1]
     seq = start.reshape(-1).cumsum(0).reshape(mask.shape) - 1
     seq = torch.where(mask, seq, torch.full_like(seq, -1))
     return seq, mask, int(start.sum())
 
 
+def trajectory_ends(td: TensorDictBase, seq: torch.Tensor, mask: torch.Tensor, num: int,
+                    owner: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(starts, ended)`` bool (M,): trajectory ``m`` starts at response step 0 in the batch, and has a
+    valid done step in the batch.
+
+    The start is read at the first step of the row's run of steps with the trajectory's id, masked or
+    not: a trajectory whose first step is masked still starts in the batch.
+    """
+    traj = require(td, keys.TRAJ_ID, owner)
+    response_len = require(td, keys.RESPONSE_LEN, owner)
+    done = squeeze_last(require(td, keys.DONE, owner), mask.shape).bool()
+    col = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    new_run = torch.ones_like(mask)
+    new_run[:, 1:] = traj[:, 1:] != traj[:, :-1]
+    run_start = torch.where(new_run, col, torch.zeros_like(col)).cummax(-1).values
+    first = response_len.gather(-1, run_start)
+    flat = seq[mask]
+    starts = torch.zeros(num, dtype=torch.bool, device=mask.device)
+    starts.index_put_((flat,), first[mask] == 0, accumulate=True)
+    ended = torch.zeros(num, dtype=torch.bool, device=mask.device).index_put_((flat,), done[mask], accumulate=True)
+    return starts, ended
+
+
 def check_complete(td: TensorDictBase, seq: torch.Tensor, mask: torch.Tensor, num: int, owner: str) -> None:
     """Raise ValueError if a trajectory starts before the batch or ends after it (STEPS batches)."""
-    response_len = require(td, keys.RESPONSE_LEN, owner)
-    done = squeeze_last(require(td, keys.DONE, owner), mask.shape)
-    first = torch.zeros(num, dtype=torch.int64, device=mask.device).scatter_reduce(
-        0, seq[mask], response_len[mask], reduce="amin", include_self=False
-    )
-    ended = torch.zeros(num, dtype=torch.bool, device=mask.device).index_put_((seq[mask],), done[mask], accumulate=True)
-    bad = (first != 0) | ~ended
+    starts, ended = trajectory_ends(td, seq, mask, num, owner)
+    bad = ~starts | ~ended
     if bool(bad.any()):
         traj = require(td, keys.TRAJ_ID, owner)
         which = int(bad.nonzero()[0])
         tid = int(traj[seq == which][0])
-        why = "does not start at response step 0" if int(first[which]) != 0 else "has no done step in this batch"
+        why = "does not start at response step 0" if not bool(starts[which]) else "has no done step in this batch"
         raise ValueError(
             f"{owner} needs complete trajectories, but trajectory {tid} {why}. Collect in TRAJECTORIES "
             f"mode, or keep only complete trajectories (e.g. tokengym.transforms.split_trajectories(batch, "

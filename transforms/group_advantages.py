@@ -4,6 +4,10 @@ Each trajectory's score is the sum of its rewards; its advantage is broadcast to
 generated token. Groups are the samples of one prompt found in the batch: a group with fewer
 samples than expected (unequal sizes, or split across batches) is estimated on what is present,
 and a group of one sample gets advantage 0. Pass ``group_size`` to get a ValueError instead.
+
+Scores are summed and group statistics computed in float64, so a group whose scores are all equal
+has a mean equal to that score and a std of exactly 0, and gets an advantage of exactly 0 (in
+float32 the mean of seven 100.1s is one ulp off, and ``/ (std + eps)`` blew that up to ~0.9).
 """
 
 from __future__ import annotations
@@ -29,20 +33,13 @@ _GROUP_ESTIMATORS = (AdvantageEstimator.GRPO, AdvantageEstimator.DR_GRPO, Advant
                      AdvantageEstimator.REINFORCE_PP)  # fmt: skip
 
 
-def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence ``(group mean, group std (unbiased; 0 for one sample), group count)`` (M,) each.
-
-    Example:
-        >>> mean, std, n = group_stats(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([7, 7, 9]))
-        >>> mean.tolist(), n.tolist()
-        ([2.0, 2.0, 5.0], [2, 2, 1])
-    """
+def _stats64(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if scores.ndim != 1 or group_ids.shape != scores.shape:
         raise ValueError(
             f"scores and group_ids must be 1-D of one length, got {tuple(scores.shape)} and {tuple(group_ids.shape)}"
         )
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    scores = scores.float()
+    scores = scores.double()
     sums = torch.zeros(len(counts), dtype=scores.dtype, device=scores.device).index_add_(0, inverse, scores)
     mean = (sums / counts)[inverse]
     sq = torch.zeros_like(sums).index_add_(0, inverse, (scores - mean).square())
@@ -50,9 +47,29 @@ def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
     return mean, std, counts[inverse]
 
 
+def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence ``(group mean, group std (unbiased; 0 for one sample), group count)`` (M,) each.
+
+    Computed in float64 (returned as float32, or float64 for float64 scores): the mean of equal scores
+    is that score exactly, so their std is exactly 0.
+
+    Example:
+        >>> mean, std, n = group_stats(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([7, 7, 9]))
+        >>> mean.tolist(), n.tolist()
+        ([2.0, 2.0, 5.0], [2, 2, 1])
+        >>> group_stats(torch.full((7,), 100.1), torch.zeros(7, dtype=torch.long))[1].tolist()  # equal: exactly 0
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    """
+    mean, std, count = _stats64(scores, group_ids)
+    dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    return mean.to(dtype), std.to(dtype), count
+
+
 def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor, estimator: str | AdvantageEstimator = "grpo",
                      *, eps: float = 1e-6) -> torch.Tensor:  # fmt: skip
-    """Sequence-level advantages (M,) from scores (M,) and group ids (M,), vectorized over groups.
+    """Sequence-level advantages (M,) float32 from scores (M,) and group ids (M,), vectorized over groups.
+
+    Computed in float64; a group whose scores are all equal gets exactly 0 (also with ``eps=0``).
 
     Args:
         scores: one score per sequence.
@@ -70,23 +87,29 @@ def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor, estimator: s
     if estimator not in _GROUP_ESTIMATORS:
         raise ValueError(f"{estimator.value!r} is not a group estimator; use one of {[e.value for e in _GROUP_ESTIMATORS]}")
     eps = check_number("eps", eps, low=0.0)
-    mean, std, count = group_stats(scores, group_ids)
-    centred = scores.float() - mean
+    mean, std, count = _stats64(scores, group_ids)
+    scores = scores.double()
+    centred = scores - mean
     if estimator is AdvantageEstimator.GRPO:
-        adv = centred / (std + eps)
+        # std == 0 only for equal scores (centred == 0 exactly); keep 0 / 0 at 0 when eps == 0
+        adv = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
     elif estimator is AdvantageEstimator.RLOO:
         # leave-one-out baseline: the mean of the other samples of the group, (sum - r) / (n - 1)
-        adv = scores.float() - (mean * count - scores.float()) / (count - 1).clamp(min=1)
+        adv = scores - (mean * count - scores) / (count - 1).clamp(min=1)
     else:
         adv = centred
-    return torch.where(count > 1, adv, torch.zeros_like(adv))
+    return torch.where(count > 1, adv, torch.zeros_like(adv)).float()
 
 
 def sequence_scores(td: TensorDictBase, *, reward_key=keys.REWARD, owner: str = "sequence_scores"):
     """Score (summed reward) and group id of every complete trajectory of a batch.
 
     Returns ``(seq, scores, group_ids)``: ``seq`` int64 [N, T] maps each step to its trajectory
-    (-1 on padding); ``scores`` float (M,); ``group_ids`` int64 (M,).
+    (-1 on masked steps); ``scores`` float32 (M,), the sum of the rewards of its valid steps (summed
+    in float64); ``group_ids`` int64 (M,).
+
+    Trajectories are told apart by ``keys.TRAJ_ID`` (not by the mask): a trajectory whose first step
+    is masked is still its own trajectory, and still complete if that step is response step 0.
 
     Raises:
         ValueError: if a trajectory is incomplete (STEPS batches: it began before or ends after the batch).
@@ -94,9 +117,9 @@ def sequence_scores(td: TensorDictBase, *, reward_key=keys.REWARD, owner: str = 
     check_batch(td, owner, (reward_key, keys.GROUP_ID, keys.TRAJ_ID, keys.DONE, keys.RESPONSE_LEN))
     seq, mask, num = sequence_index(td, owner)
     check_complete(td, seq, mask, num, owner)
-    reward = squeeze_last(require(td, reward_key, owner), mask.shape).float()
+    reward = squeeze_last(require(td, reward_key, owner), mask.shape).double()
     flat = seq[mask]
-    scores = torch.zeros(num, dtype=torch.float32, device=reward.device).index_add_(0, flat, reward[mask])
+    scores = torch.zeros(num, dtype=torch.float64, device=reward.device).index_add_(0, flat, reward[mask]).float()
     groups = torch.zeros(num, dtype=torch.int64, device=reward.device)
     groups[flat] = td.get(keys.GROUP_ID)[mask]
     return seq, scores, groups

@@ -12,6 +12,7 @@ from tokengym.llm_envs.prompt_table import PromptTable
 from tokengym.transforms._base import BatchTransform
 from tokengym.transforms._checks import (
     check_batch,
+    check_number,
     require,
     sequence_index,
     squeeze_last,
@@ -20,7 +21,7 @@ from tokengym.transforms._checks import (
 from tokengym.transforms.kl_control import ConstantKLController, KLController
 from tokengym.transforms.scoring import step_log_probs
 
-__all__ = ["KLEstimator", "kl_estimate", "KLRewardTransform"]
+__all__ = ["KLEstimator", "K3Clamp", "kl_estimate", "KLRewardTransform"]
 
 
 class KLEstimator(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we support 3.10)
@@ -32,6 +33,20 @@ class KLEstimator(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we supp
     ABS = "abs"  # |logp - ref|
 
 
+class K3Clamp(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we support 3.10)
+    """How the ``k3`` estimate is kept finite."""
+
+    OUTPUT = "output"  # clamp the k3 value to [-clamp, clamp] (OpenRLHF, verl, LightRFT); at most `clamp`
+    LOG_RATIO = "log_ratio"  # clamp ref - logp to [-clamp, clamp] before exp; up to exp(clamp) - clamp - 1
+
+
+def _k3_clamp(value) -> K3Clamp:
+    try:
+        return K3Clamp(value)
+    except ValueError:
+        raise ValueError(f"unknown k3 clamp mode {value!r}; use one of {[e.value for e in K3Clamp]}") from None
+
+
 def _estimator(value) -> KLEstimator:
     try:
         return KLEstimator(value)
@@ -41,14 +56,20 @@ def _estimator(value) -> KLEstimator:
 
 
 def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str | KLEstimator = "k1", *,
-                clamp: float = 10.0) -> torch.Tensor:  # fmt: skip
+                clamp: float = 10.0, clamp_mode: str | K3Clamp = "output") -> torch.Tensor:  # fmt: skip
     """Per-token KL estimate from the sampled token's log-prob under the policy and the reference.
+
+    ``k3`` is kept finite by ``clamp``: by default its value is clamped to ``[0, clamp]`` as the seeds
+    do (OpenRLHF / verl / LightRFT clamp it to [-10, 10]; k3 >= 0), so one token's penalty is at most
+    ``beta * clamp``. ``clamp_mode="log_ratio"`` clamps ``ref - logp`` before ``exp`` instead, which
+    lets a token's k3 reach ``exp(clamp) - clamp - 1`` (about 2.2e4 for 10).
 
     Args:
         log_prob: log-prob of the sampled tokens under the policy.
         ref_log_prob: their log-prob under the reference, same shape.
         estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"`` (a :class:`KLEstimator`).
-        clamp: ``k3`` clamps ``ref - logp`` to ``[-clamp, clamp]`` before ``exp`` (keeps it finite).
+        clamp: the bound of the ``k3`` clamp (> 0).
+        clamp_mode: ``"output"`` (default) or ``"log_ratio"`` (a :class:`K3Clamp`).
 
     Example:
         >>> lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -2.0])
@@ -56,8 +77,13 @@ def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: s
         ([1.0, 0.0], [0.5, 0.0])
         >>> round(kl_estimate(lp, ref, "k3")[0].item(), 4)  # exp(-1) + 1 - 1
         0.3679
+        >>> lp, ref = torch.tensor([-15.0]), torch.tensor([0.0])
+        >>> kl_estimate(lp, ref, "k3").item(), round(kl_estimate(lp, ref, "k3", clamp_mode="log_ratio").item())
+        (10.0, 22015)
     """
     estimator = _estimator(estimator)
+    clamp_mode = _k3_clamp(clamp_mode)
+    clamp = check_number("clamp", clamp, low=0.0, low_open=True, fix="The seeds use clamp=10.")
     if log_prob.shape != ref_log_prob.shape:
         raise ValueError(
             f"log_prob and ref_log_prob must share a shape, got {tuple(log_prob.shape)} and "
@@ -70,8 +96,13 @@ def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: s
         return diff.square() / 2
     if estimator is KLEstimator.ABS:
         return diff.abs()
-    log_ratio = (-diff).clamp(-clamp, clamp)
-    return (log_ratio.exp() - log_ratio - 1).clamp(min=0.0)  # >= 0 exactly, despite rounding
+    if clamp_mode is K3Clamp.LOG_RATIO:
+        log_ratio = (-diff).clamp(-clamp, clamp)
+        return (log_ratio.exp() - log_ratio - 1).clamp(min=0.0)  # >= 0 exactly, despite rounding
+    # |log_ratio| >= clamp + 1 gives k3 >= clamp either way: bounding it first changes no clamped value
+    # and keeps inf - inf (a -inf log-prob) from turning into NaN
+    log_ratio = (-diff).clamp(-clamp - 1.0, clamp + 1.0)
+    return (log_ratio.exp() - log_ratio - 1).clamp(0.0, clamp)
 
 
 def _next(key: tuple) -> str | tuple:
@@ -92,7 +123,8 @@ class KLRewardTransform(BatchTransform):
       using the batch's PromptTable (TRAJECTORIES batches).
 
     Calling it on a batch (e.g. as a collector ``postproc``) updates ``controller`` once with the
-    mean summed KL per sequence. A batch already holding ``keys.REWARD_KL`` was shaped step by step
+    mean summed KL per sequence and the number of sequences; sequences are told apart by
+    ``keys.TRAJ_ID`` (a trajectory whose first step is masked is still its own sequence). A batch already holding ``keys.REWARD_KL`` was shaped step by step
     inside the env, so only the controller is updated.
 
     Args:
@@ -102,6 +134,8 @@ class KLRewardTransform(BatchTransform):
         estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``.
         log_prob_key: the policy log-prob ("logp"); ``keys.ACTION_LOG_PROB`` by default.
         pad_id: padding token id for the reference forward.
+        k3_clamp: ``"output"`` (default: a token's k3 is at most 10, as in the seeds) or ``"log_ratio"``
+            (see :func:`kl_estimate`).
 
     Example:
         >>> from tensordict import TensorDict
@@ -113,7 +147,8 @@ class KLRewardTransform(BatchTransform):
     """
 
     def __init__(self, *, beta: float | None = None, controller: KLController | None = None, ref_model=None,
-                 estimator: str | KLEstimator = "k1", log_prob_key=keys.ACTION_LOG_PROB, pad_id: int = 0) -> None:  # fmt: skip
+                 estimator: str | KLEstimator = "k1", log_prob_key=keys.ACTION_LOG_PROB, pad_id: int = 0,
+                 k3_clamp: str | K3Clamp = "output") -> None:  # fmt: skip
         if controller is not None and beta is not None:
             raise ValueError(f"pass either beta ({beta}) or controller ({controller!r}), not both; "
                              "the controller owns beta")  # fmt: skip
@@ -124,6 +159,7 @@ class KLRewardTransform(BatchTransform):
         if ref_model is not None and not callable(ref_model):
             raise TypeError(f"ref_model must be a causal LM (callable), got {type(ref_model).__name__}")
         self.estimator = _estimator(estimator)
+        self.k3_clamp = _k3_clamp(k3_clamp)
         self.ref_source = "td" if ref_model is None else "model"
         in_keys = [keys.REWARD, log_prob_key] + ([keys.REF_LOG_PROB] if ref_model is None else [])
         super().__init__(in_keys=in_keys, out_keys=[keys.REWARD, keys.REWARD_RAW, keys.REWARD_KL, keys.KL,
@@ -146,7 +182,7 @@ class KLRewardTransform(BatchTransform):
     def _kl(self, td: TensorDictBase, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         logp = squeeze_last(require(td, self.log_prob_key, type(self).__name__), mask.shape)
         ref = squeeze_last(ref, mask.shape)
-        kl = kl_estimate(logp, ref, self.estimator)
+        kl = kl_estimate(logp, ref, self.estimator, clamp_mode=self.k3_clamp)
         return torch.where(mask, kl, torch.zeros_like(kl))
 
     def _shape(self, td: TensorDictBase, reward_td: TensorDictBase, reward_key, kl: torch.Tensor) -> None:
@@ -224,5 +260,5 @@ class KLRewardTransform(BatchTransform):
         self.controller.load_state_dict(state["controller"])
 
     def __repr__(self) -> str:
-        return (f"KLRewardTransform(estimator={self.estimator.value}, ref_source={self.ref_source!r}, "
-                f"controller={self.controller!r}, log_prob_key={self.log_prob_key!r})")  # fmt: skip
+        return (f"KLRewardTransform(estimator={self.estimator.value}, k3_clamp={self.k3_clamp.value}, "
+                f"ref_source={self.ref_source!r}, controller={self.controller!r}, log_prob_key={self.log_prob_key!r})")  # fmt: skip

@@ -6,28 +6,16 @@ import torch
 from tensordict import TensorDictBase
 
 from tokengym.llm_envs import keys
-from tokengym.transforms._checks import check_batch, require, sequence_index, squeeze_last
+from tokengym.transforms._checks import check_batch, sequence_index, trajectory_ends
 
 __all__ = ["split_trajectories"]
-
-
-def _complete(td: TensorDictBase, seq: torch.Tensor, mask: torch.Tensor, num: int) -> torch.Tensor:
-    """Bool (M,): the trajectory starts at response step 0 and has its done step in the batch."""
-    owner = "split_trajectories"
-    response_len = require(td, keys.RESPONSE_LEN, owner)
-    done = squeeze_last(require(td, keys.DONE, owner), mask.shape).bool()
-    flat = seq[mask]
-    starts = torch.zeros(num, dtype=torch.bool, device=mask.device)
-    starts.index_put_((flat,), response_len[mask] == 0, accumulate=True)
-    ended = torch.zeros(num, dtype=torch.bool, device=mask.device).index_put_((flat,), done[mask], accumulate=True)
-    return starts & ended
 
 
 def split_trajectories(batch: TensorDictBase, *, complete_only: bool = False) -> TensorDictBase:
     """One row per trajectory, right-padded (``keys.MASK`` False on padding); vectorized, no loop over rows.
 
-    A trajectory is a run of valid steps of one row with the same ``keys.TRAJ_ID``. The PromptTable
-    under ``keys.PROMPTS`` is carried over.
+    A trajectory is the valid steps of one row with the same ``keys.TRAJ_ID`` (masked steps are
+    skipped and left out). The PromptTable under ``keys.PROMPTS`` is carried over.
 
     Args:
         batch: collected batch [N, T] (STEPS or TRAJECTORIES).
@@ -66,7 +54,8 @@ def split_trajectories(batch: TensorDictBase, *, complete_only: bool = False) ->
     filled[flat, pos] = True
     out.set(keys.MASK, filled)
     if complete_only:
-        out = out[_complete(batch, seq, mask, num)]
+        starts, ended = trajectory_ends(batch, seq, mask, num, owner)
+        out = out[starts & ended]
     if prompts is not None:
         out.set_non_tensor(keys.PROMPTS, batch.get_non_tensor(keys.PROMPTS))
     return out

@@ -4,7 +4,16 @@ from hypothesis import strategies as st
 
 from tokengym.llm_envs import keys
 from tokengym.testing import make_trajectory_batch
-from tokengym.transforms import AdaptiveKLController, KLRewardTransform, group_advantages, kl_estimate
+from tokengym.transforms import (
+    AdaptiveKLController,
+    DiscountedReturns,
+    GAEAdvantage,
+    KLRewardTransform,
+    group_advantages,
+    group_stats,
+    kl_estimate,
+    split_trajectories,
+)
 
 SETTINGS = settings(deadline=None, max_examples=25)
 lengths = st.lists(st.integers(1, 6), min_size=1, max_size=6)
@@ -83,3 +92,31 @@ def test_adaptive_beta_moves_toward_target_and_stays_positive(beta, target, kl, 
         assert new >= beta
     elif kl < target:
         assert new <= beta
+
+
+equal_groups = st.tuples(st.floats(-1e4, 1e4, width=32), st.integers(2, 8))
+
+
+@settings(deadline=None, max_examples=200)
+@given(groups=st.lists(equal_groups, min_size=1, max_size=4), estimator=st.sampled_from(["grpo", "dr_grpo", "rloo", "reinforce_pp"]))
+def test_equal_reward_groups_get_exactly_zero_advantage(groups, estimator):
+    scores = torch.cat([torch.full((n,), v, dtype=torch.float32) for v, n in groups])
+    ids = torch.cat([torch.full((n,), i) for i, (_, n) in enumerate(groups)])
+    assert group_advantages(scores, ids, estimator).eq(0).all()
+    assert group_advantages(scores, ids, estimator, eps=0.0).eq(0).all()
+    _, std, _ = group_stats(scores, ids)
+    assert std.eq(0).all()  # what ZeroStdGroupFilter and clip_filter_like_weights test
+
+
+@SETTINGS
+@given(lengths=lengths, seed=st.integers(0, 1000), gamma=st.floats(0, 1), lmbda=st.floats(0, 1),
+       holes=st.lists(st.booleans(), min_size=42, max_size=42))  # fmt: skip
+def test_masked_steps_are_skipped_as_if_absent(lengths, seed, gamma, lmbda, holes):
+    batch = make_trajectory_batch(lengths, seed=seed, steps=7)
+    batch[keys.STATE_VALUE] = torch.rand(*batch.batch_size, 1, generator=torch.Generator().manual_seed(seed))
+    batch[keys.MASK] &= ~torch.tensor(holes).reshape(6, 7)[: len(lengths)]
+    absent = split_trajectories(batch)  # the valid steps only, one right-padded row per trajectory
+    for transform in (GAEAdvantage(gamma=gamma, lmbda=lmbda), DiscountedReturns(gamma=gamma)):
+        out, ref = transform(batch.clone()), transform(absent.clone())
+        torch.testing.assert_close(out[keys.ADVANTAGE][out[keys.MASK]], ref[keys.ADVANTAGE][ref[keys.MASK]])
+        assert out[keys.ADVANTAGE][~out[keys.MASK]].eq(0).all()

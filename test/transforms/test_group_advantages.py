@@ -80,3 +80,31 @@ def test_bad_input():
         GroupAdvantage()(tail)
     with pytest.raises(KeyError, match="reads 'group_id'"):
         GroupAdvantage()(make_trajectory_batch([3]).exclude(keys.GROUP_ID))
+
+
+# -- issue 12 regressions --
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+def test_equal_rewards_give_exactly_zero_advantage(estimator, eps):
+    # float32 mean of seven 100.1s is one ulp off: the std was tiny but not 0 and GRPO gave ~0.9
+    scores = torch.full((7,), 100.1, dtype=torch.float32)
+    adv = group_advantages(scores, torch.zeros(7, dtype=torch.long), estimator, eps=eps)
+    assert adv.tolist() == [0.0] * 7 and adv.dtype == torch.float32
+    _, std, _ = group_stats(scores, torch.zeros(7, dtype=torch.long))
+    assert std.eq(0).all()
+
+
+def test_equal_reward_group_beside_others_is_zero_in_transform():
+    batch = make_trajectory_batch([2, 3, 1, 2, 4], [100.1] * 3 + [0.0, 1.0], group_size=3)
+    adv = GroupAdvantage("grpo")(batch)[keys.ADVANTAGE].squeeze(-1)
+    assert adv[:3].eq(0).all() and adv[3, 0] < 0 < adv[4, 0]
+
+
+def test_masked_first_step_keeps_trajectories_apart():
+    # one row: trajectory 0 (score 1), then trajectory 1 (score 0) whose first step is masked
+    steps = to_steps_layout(make_trajectory_batch([2, 3], [1.0, 0.0], group_size=2), rows=1)
+    steps[keys.MASK][0, 2] = False
+    adv = GroupAdvantage("dr_grpo")(steps)[keys.ADVANTAGE].squeeze(-1)
+    assert adv[0].tolist() == [0.5, 0.5, 0.0, -0.5, -0.5]

@@ -46,3 +46,26 @@ def test_bad_input():
         ConstantKLController(0.1).update(float("nan"), 1)
     with pytest.raises(KeyError, match="load_state_dict needs a dict with 'beta'"):
         ConstantKLController(0.1).load_state_dict({})
+
+
+# -- issue 12 regressions --
+
+
+def test_cap_on_n_steps_over_horizon_is_optional():
+    capped = AdaptiveKLController(0.1, target=6.0, horizon=10)
+    assert capped.update(12.0, n_steps=20) == pytest.approx(0.1 * (1 + 0.2 * 1.0))  # n/h capped at 1
+    ziegler = AdaptiveKLController(0.1, target=6.0, horizon=10, use_cap=False)
+    assert ziegler.update(12.0, n_steps=20) == pytest.approx(0.1 * (1 + 0.2 * 2.0))  # the uncapped formula
+    assert "use_cap=False" in repr(ziegler) and ziegler.state_dict()["use_cap"] is False
+    restored = AdaptiveKLController(1.0, target=1.0, horizon=1)
+    restored.load_state_dict(ziegler.state_dict())
+    assert restored.use_cap is False
+
+
+def test_uncapped_factor_that_would_flip_beta_raises():
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=10, use_cap=False)
+    with pytest.raises(ValueError, match=r"n_steps / horizon = 60 / 10.0 .* use_cap=True or a larger horizon"):
+        ctl.update(0.0, n_steps=60)
+    assert ctl.beta == 0.1 and ctl.last_kl != ctl.last_kl  # state untouched (last_kl still NaN)
+    with pytest.raises(TypeError, match="use_cap must be a bool, got str 'no'"):
+        AdaptiveKLController(0.1, target=6.0, horizon=10, use_cap="no")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tokengym.llm_envs import keys
-from tokengym.testing import make_trajectory_batch, tiny_model, tiny_tokenizer
+from tokengym.testing import make_trajectory_batch, tiny_model, tiny_tokenizer, to_steps_layout
 from tokengym.transforms import (
     AdaptiveKLController,
     KLEstimator,
@@ -115,3 +115,47 @@ def test_bad_input():
         KLRewardTransform()(make_trajectory_batch([2])[0])
     with pytest.raises(ValueError, match="must share a shape"):
         kl_estimate(torch.zeros(2), torch.zeros(3))
+
+
+# -- issue 12 regressions --
+
+
+def test_k3_default_clamps_the_value_like_the_seeds():
+    lp, ref = torch.tensor([-15.0, 0.0, -1.0]), torch.tensor([0.0, -15.0, -2.0])
+    out = kl_estimate(lp, ref, "k3")  # ref - logp = 15: exp(15) - 16 before; the seeds clamp the value to 10
+    torch.testing.assert_close(out, torch.tensor([10.0, 10.0, math.exp(-1) + 1 - 1]))
+    old = kl_estimate(lp, ref, "k3", clamp_mode="log_ratio")
+    assert old[0].item() == pytest.approx(math.exp(10) - 11, rel=1e-5)
+    assert old[1].item() == pytest.approx(9.0 + math.exp(-10))
+    assert kl_estimate(lp, ref, "k3", clamp=3.0).max().item() == 3.0
+    extreme = kl_estimate(torch.tensor([-math.inf, 0.0]), torch.tensor([0.0, -math.inf]), "k3")
+    assert extreme.tolist() == [10.0, 10.0]
+
+
+def test_k3_penalty_of_a_token_is_at_most_beta_times_clamp():
+    batch = make_trajectory_batch([3])
+    batch[keys.ACTION_LOG_PROB][0, 1] = -30.0  # the policy made a token the reference likes far less likely
+    batch[keys.REF_LOG_PROB][0, 1] = 0.0
+    out = KLRewardTransform(beta=0.1, estimator="k3")(batch.clone())
+    assert out[keys.REWARD_KL].min().item() == pytest.approx(-1.0)
+    old = KLRewardTransform(beta=0.1, estimator="k3", k3_clamp="log_ratio")(batch)
+    assert old[keys.REWARD_KL].min().item() < -2000
+
+
+def test_masked_first_step_does_not_merge_trajectories_for_the_controller():
+    # one row: trajectory 0 (2 steps), trajectory 1 (3 steps, the first masked); KL 1 per valid step
+    steps = to_steps_layout(make_trajectory_batch([2, 3]), rows=1)
+    steps[keys.MASK][0, 2] = False
+    steps[keys.REF_LOG_PROB] = steps[keys.ACTION_LOG_PROB] - 1.0
+    ctl = AdaptiveKLController(1.0, target=1.0, horizon=100)
+    t = KLRewardTransform(controller=ctl, estimator="k1")
+    t(steps)
+    assert t.metrics()["kl"] == pytest.approx(2.0) and ctl.last_kl == pytest.approx(2.0)
+    assert ctl.beta == pytest.approx(1.0 * (1 + 0.2 * 2 / 100))  # n_steps = 2 sequences
+
+
+def test_k3_clamp_bad_input():
+    with pytest.raises(ValueError, match=r"unknown k3 clamp mode 'exp'; use one of \['output', 'log_ratio'\]"):
+        KLRewardTransform(estimator="k3", k3_clamp="exp")
+    with pytest.raises(ValueError, match=r"clamp must be in \(0.0, inf\], got 0.0. The seeds use clamp=10."):
+        kl_estimate(torch.zeros(2), torch.zeros(2), "k3", clamp=0.0)

@@ -4,7 +4,7 @@ from tensordict import TensorDict
 
 from tokengym.llm_envs import keys
 from tokengym.testing import make_trajectory_batch
-from tokengym.transforms import ClipReward, MissingEOSPenalty, OverlongPenalty, ScaleReward
+from tokengym.transforms import ClipReward, MissingEOSPenalty, OverlongPenalty, ScaleReward, TurnDiscount
 
 
 def _final(td):
@@ -48,3 +48,39 @@ def test_bad_input():
         OverlongPenalty(max_length=-1, cache=1)
     with pytest.raises(KeyError, match=r"MissingEOSPenalty reads \('next', 'truncated'\)"):
         MissingEOSPenalty()(make_trajectory_batch([2]).exclude(keys.TRUNCATED))
+
+
+# -- issue 12 regressions --
+
+
+def _two_turns(success, *, next_turn: bool):
+    """One trajectory, two turns of two tokens; the turn rewards (AReaL success) sit on each turn's last token."""
+    batch = make_trajectory_batch([4], [success[1]])
+    batch[keys.TURN] = torch.tensor([[0, 0, 1, 1]])
+    batch[keys.REWARD][0, 1, 0] = success[0]
+    if next_turn:
+        batch[(keys.NEXT, keys.TURN)] = torch.tensor([[0, 1, 1, 1]])
+    return batch
+
+
+@pytest.mark.parametrize("next_turn", [True, False])
+def test_scale_reward_scales_every_turn_like_areal(next_turn):
+    scale = ScaleReward(scale=1.0, bias=0.0, use_success_sign=True)
+    out = TurnDiscount(1.0)(scale(_two_turns([0.0, 1.0], next_turn=next_turn)))
+    assert out[keys.REWARD][0, :, 0].tolist() == [0.0, 0.0, 0.0, 1.0]  # AReaL: turns [-1, 1] -> [0, 1]
+    plain = ScaleReward(scale=2.0, bias=0.5)(_two_turns([0.0, 1.0], next_turn=next_turn))
+    assert plain[keys.REWARD][0, :, 0].tolist() == [0.0, -1.0, 0.0, 1.0]
+
+
+def test_scale_reward_areal_formula():
+    out = ScaleReward(scale=3.0, bias=0.5, use_success_sign=True)(_two_turns([0.0, 1.0], next_turn=True))
+    # ((r - 0.5) * 2 - bias) * scale
+    assert out[keys.REWARD][0, :, 0].tolist() == [0.0, -4.5, 0.0, 1.5]
+
+
+def test_scale_reward_in_env_step_scales_turn_ends():
+    root = TensorDict({keys.ACTIVE: torch.tensor([True, True, True]), keys.TURN: torch.tensor([0, 0, 1])}, [3])
+    nxt = TensorDict({"reward": torch.tensor([[0.0], [0.0], [1.0]]), "done": torch.tensor([[False], [False], [True]]),
+                      keys.TURN: torch.tensor([0, 1, 1])}, [3])  # fmt: skip
+    out = ScaleReward(scale=2.0, bias=0.5)._step(root, nxt)
+    assert out["reward"].flatten().tolist() == [0.0, -1.0, 1.0]  # mid-turn, turn end, done

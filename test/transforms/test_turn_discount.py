@@ -36,3 +36,28 @@ def test_bad_input():
         TurnDiscount(0.9)(make_trajectory_batch([2]).exclude(keys.TURN))
     with pytest.raises(ValueError, match="needs complete trajectories"):
         TurnDiscount(0.9)(make_trajectory_batch([3])[:, :2])
+
+
+# -- issue 12 regressions --
+
+
+def test_gamma_zero_keeps_each_turns_reward():
+    out = TurnDiscount(0.0)(_multi_turn())
+    assert out[keys.REWARD][0, :, 0].tolist() == [0.0, 1.0, 0.0, 0.0, 4.0, 0.0]
+    assert out[keys.REWARD][1, :, 0].tolist() == [1.0, 0.0, 2.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("gamma", [1e-4, 1e-6, 1e-9])
+def test_tiny_gamma_is_not_zero(gamma):
+    out = TurnDiscount(gamma)(_multi_turn())
+    torch.testing.assert_close(out[keys.REWARD][1, 0, 0], torch.tensor(1.0 + gamma * 2.0), rtol=0, atol=0)
+    assert out[keys.REWARD][0, 1, 0].item() == pytest.approx(1.0 + gamma * (0.0 + gamma * 4.0), rel=1e-6)
+
+
+def test_masked_hole_does_not_split_a_turn():
+    batch = make_trajectory_batch([5], [4.0])
+    batch[keys.TURN] = torch.tensor([[0, 0, 0, 1, 1]])
+    batch[keys.REWARD][0, 0, 0] = 1.0
+    batch[keys.MASK][0, 1] = False  # a hole inside turn 0: its steps 0 and 2 are still one turn
+    out = TurnDiscount(0.5)(batch)
+    assert out[keys.REWARD][0, :, 0].tolist() == [0.0, 0.0, 3.0, 0.0, 4.0]
