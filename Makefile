@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tokengym-installed
 
-.PHONY: venv test demo bench lint clean
+.PHONY: venv test demo bench lint clean bwrap
 
 venv: $(STAMP)
 
@@ -18,10 +18,24 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install -q -e ".[test,demo]"
 	touch $(STAMP)
 
+# bubblewrap sandboxes the `python` tool (llm_envs/tools/python_sandbox.py); its tests run it for real.
+# Installed with apt where this runs as root or with passwordless sudo; elsewhere, install it yourself.
+bwrap:
+	@if ! command -v bwrap >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && apt-get install -y -qq bubblewrap; \
+	  elif command -v apt-get >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+	    sudo apt-get update -qq && sudo apt-get install -y -qq bubblewrap; \
+	  else \
+	    echo "bubblewrap (bwrap) is missing and cannot be installed here (needs apt and root);" \
+	      "the sandbox tests will fail: install it (Debian/Ubuntu: sudo apt-get install bubblewrap)"; \
+	  fi; \
+	fi
+
 lint: venv
 	$(PY) -m ruff check .
 
-test: venv lint
+test: venv lint bwrap
 	$(PY) -m pytest -q
 
 demo: venv

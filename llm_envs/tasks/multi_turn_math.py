@@ -10,6 +10,7 @@ response (or its ``\\boxed{}``) is compared with the answer:
 
 With ``tools=True`` the task also offers the ``calculator`` and ``python`` tools
 (``<tool>calculator: 12+7</tool>``, see :mod:`tokengym.llm_envs.tools`); a tool call uses a turn.
+Tool output is sandboxed (bubblewrap where it works) and its special tokens are defused.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def make_multi_turn_math_env(
     if tools:
         from tokengym.llm_envs.tools import TOOL_STOP, ToolRegistry, ToolTurns
 
-        turn_fn = ToolTurns(ToolRegistry.default(python_timeout_s=python_timeout_s), turn_fn)
+        registry = ToolRegistry.default(python_timeout_s=python_timeout_s)
+        turn_fn = ToolTurns(registry, turn_fn, tokenizer=tokenizer)  # tool output cannot forge role tokens
         env_kwargs["stop_strings"] = [*env_kwargs.get("stop_strings", ()), TOOL_STOP]
     env_kwargs.setdefault("max_length", 512)
     return MultiTurnTokenEnv(prompts, tokenizer, turn_fn, max_turns=max_turns, batch_size=batch_size,

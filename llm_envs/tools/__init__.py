@@ -1,0 +1,33 @@
+"""Tools for multi-turn envs: parsing ``<tool>NAME: ARGUMENT</tool>`` calls, a registry, a ``turn_fn``, sandboxes.
+
+Modules: :mod:`.calls` (the call format), :mod:`.safe_arithmetic` (``calculator``),
+:mod:`.python_sandbox` (``run_python`` under bubblewrap or rlimits, the ``python`` tool),
+:mod:`.registry` (``ToolRegistry``), :mod:`.tool_turns` (``ToolTurns``), :mod:`.escaping`
+(special tokens in tool output).
+
+Example:
+    >>> ToolRegistry.default().run_text("<tool>python: print(3 * 14)</tool>")
+    '42\\n'
+"""
+
+from tokengym.llm_envs.tools.calls import TOOL_STOP, ToolCall, find_tool_call
+from tokengym.llm_envs.tools.escaping import escape_special_tokens, special_token_strings
+from tokengym.llm_envs.tools.python_sandbox import PythonResult, Sandbox, python_tool, run_python
+from tokengym.llm_envs.tools.registry import ToolRegistry
+from tokengym.llm_envs.tools.safe_arithmetic import calculator
+from tokengym.llm_envs.tools.tool_turns import ToolTurns
+
+__all__ = [
+    "TOOL_STOP",
+    "PythonResult",
+    "Sandbox",
+    "ToolCall",
+    "ToolRegistry",
+    "ToolTurns",
+    "calculator",
+    "escape_special_tokens",
+    "find_tool_call",
+    "python_tool",
+    "run_python",
+    "special_token_strings",
+]
