@@ -1,11 +1,14 @@
 """A KV cache with one row per env slot, where each slot can be refilled or extended on its own.
 
-Layout: every layer holds keys/values of shape (B, H, C, D) and an attention mask (B, C). A slot's
-entries are the columns where its mask is 1, in order; other columns are holes. Each decode step
-appends one column for all slots. Refilling a slot zeroes its mask row and appends its new
-prefix (computed in a sub-batch forward over that slot's rows only); extending a slot (multi-turn:
-env-inserted tokens) appends without zeroing. Holes are squeezed out (``compact``) when the
-cache grows to twice the longest live row, so the amortized cost per step is O(1) in length.
+Layout: every layer holds keys/values of shape (B, H, C, D) and an attention mask (B, C). A live
+slot's tokens are the last ``length`` columns of its row, in order; columns before them are holes
+(masked). Each decode step appends one column for all slots, so the layout is kept for free.
+Refilling slots (new trajectories) prefills their prompts in one forward over those rows only, with
+a fresh cache and last-position logits only, and writes the result into the last columns of their
+rows; before that, the columns no live slot needs any more are dropped from the front (a view, no
+copy: the next decode step's concatenation copies the cache anyway). So a refill never copies the
+cache and the cache stays as wide as the longest live slot. Extending slots with env-inserted tokens
+(multi-turn) appends columns for all rows and then right-aligns every row again (``compact``).
 """
 
 from __future__ import annotations
@@ -17,22 +20,38 @@ __all__ = ["SlotKVCache"]
 
 
 class SlotKVCache:
-    """Per-slot KV cache for a transformers causal LM (DynamicCache layout underneath)."""
+    """Per-slot KV cache for a transformers causal LM (DynamicCache layout underneath).
+
+    Example:
+        >>> from tokengym.testing import tiny_tokenizer, tiny_model
+        >>> model = tiny_model(tiny_tokenizer())
+        >>> cache = SlotKVCache(model, 2)
+        >>> tokens = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])  # the env's buffer: prompts of 3 and 2 tokens
+        >>> seq_len, active = torch.tensor([3, 2]), torch.tensor([True, True])
+        >>> cache.sync(tokens, seq_len, torch.tensor([0, 1]), active)  # prefills all but each last token
+        >>> cache.length.tolist()
+        [2, 1]
+        >>> cache.decode(torch.tensor([7, 9]), active).shape  # feeds the last tokens: next-token logits
+        torch.Size([2, 512])
+    """
 
     def __init__(self, model, batch_size: int) -> None:
         self.model, self.batch_size = model, batch_size
+        self.device = next(model.parameters()).device
         # one DynamicCache lives across steps: rebuilding it per step would copy every layer's KV
         self.cache = self._new_cache(self._empty_layers(batch_size))
-        self.mask = torch.zeros(batch_size, 0, dtype=torch.int64)  # (B, C)
-        self.length = torch.zeros(batch_size, dtype=torch.int64)  # tokens of each slot in the cache
-        self.traj = torch.full((batch_size,), -1, dtype=torch.int64)  # trajectory each row holds
+        self.mask = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)  # (B, C)
+        self.length = torch.zeros(batch_size, dtype=torch.int64, device=self.device)  # cached tokens per slot
+        self.traj = torch.full((batch_size,), -1, dtype=torch.int64, device=self.device)  # trajectory per row
+        self._new_column = torch.ones(batch_size, 1, dtype=torch.int64, device=self.device)
+        self._seen: tuple = (None, None)  # the (traj_id, active) tensors of the last sync
 
     def _empty_layers(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Probe the model once with one token to learn (H, D) and dtype per layer."""
-        device = next(self.model.parameters()).device
         cache = DynamicCache(config=self.model.config)
         with torch.no_grad():
-            self.model(input_ids=torch.zeros(1, 1, dtype=torch.int64, device=device), past_key_values=cache)
+            self.model(input_ids=torch.zeros(1, 1, dtype=torch.int64, device=self.device), past_key_values=cache,
+                       logits_to_keep=1)  # fmt: skip
         return [
             (layer.keys.new_zeros(rows, layer.keys.shape[1], 0, layer.keys.shape[3]),
              layer.values.new_zeros(rows, layer.values.shape[1], 0, layer.values.shape[3]))
@@ -59,73 +78,106 @@ class SlotKVCache:
     def columns(self) -> int:
         return self.mask.shape[1]
 
-    def _cache(self, rows: torch.Tensor) -> DynamicCache:
-        return self._new_cache([(k[rows], v[rows]) for k, v in self.kv])
-
+    # -- catching up with the env --
     def sync(self, tokens: torch.Tensor, seq_len: torch.Tensor, traj: torch.Tensor, active: torch.Tensor) -> None:
         """Catch every live slot up with the env: prefill new trajectories, extend with env-inserted tokens.
 
         ``tokens`` is the env's (B, L) buffer. After this, each active slot caches all its tokens but
         the last, which the next :meth:`decode` feeds.
         """
-        stale = (traj != self.traj) | (self.length < seq_len - 1)
-        if not bool((stale & active).any()):  # the common step: one check, no Python per slot
+        # A TokenEnv replaces its trajectory-id and active tensors when it refills a slot and never
+        # writes them in place: the same objects as last time mean no new trajectory, and only
+        # env-inserted tokens (multi-turn) remain to check. Two ops instead of a full comparison.
+        if traj is self._seen[0] and active is self._seen[1] and not bool((seq_len > self.length + 1).any()):
             return
+        self._seen = (traj, active)
         is_new = active & (traj != self.traj)
         if bool(is_new.any()):
-            self.reset_rows(is_new.nonzero().squeeze(-1))
             self.traj = torch.where(is_new, traj, self.traj)
-        rows = (active & (is_new | (self.length < seq_len - 1))).nonzero().squeeze(-1)
-        segments = [tokens[b, int(self.length[b]) : int(seq_len[b]) - 1] for b in rows.tolist()]
-        self.extend(rows, segments)
-
-    def reset_rows(self, rows: torch.Tensor) -> None:
-        """Forget the cached tokens of ``rows`` (their prefix will be extended from empty)."""
-        self.mask[rows] = 0
-        self.length[rows] = 0
+            self._refill(is_new.nonzero().squeeze(-1), tokens, seq_len, active)
+        grown = active & (self.length < seq_len - 1)
+        if bool(grown.any()):
+            rows = grown.nonzero().squeeze(-1)
+            self.extend(rows, [tokens[b, int(self.length[b]) : int(seq_len[b]) - 1] for b in rows.tolist()])
 
     @torch.no_grad()
-    def extend(self, rows: torch.Tensor, segments: list[torch.Tensor]) -> torch.Tensor:
-        """Append ``segments[i]`` (1-D ids, may be empty) to row ``rows[i]``; returns last logits (n, V).
+    def _refill(self, rows: torch.Tensor, tokens: torch.Tensor, seq_len: torch.Tensor, active: torch.Tensor) -> None:
+        """Start ``rows`` over with the prefixes ``tokens[row, : seq_len - 1]``, in one forward over those rows."""
+        self.length[rows] = 0
+        lens = seq_len[rows] - 1  # (n,) tokens to prefill; the last one is fed by decode
+        width = int(lens.max())
+        # the columns any live slot still needs; the refilled rows need `width`
+        keep = max(int(torch.where(active, self.length, 0).max()), width)
+        self._resize(keep)
+        self.mask[rows] = 0
+        if width == 0:  # one-token prompts: nothing to prefill
+            return
+        cols = torch.arange(width, device=self.device)
+        seg_mask = cols[None, :] >= (width - lens)[:, None]  # (n, width) each prefix right-aligned
+        src = (cols[None, :] - (width - lens)[:, None]).clamp_(min=0)
+        ids = torch.where(seg_mask, tokens[rows[:, None], src], 0)
+        seg_mask = seg_mask.long()
+        sub = DynamicCache(config=self.model.config)
+        self.model(input_ids=ids, attention_mask=seg_mask, position_ids=(seg_mask.cumsum(-1) - 1).clamp_(min=0),
+                   past_key_values=sub, logits_to_keep=1)  # fmt: skip
+        start = keep - width
+        for (k, v), layer in zip(self.kv, sub.layers, strict=True):
+            k[rows, :, start:] = layer.keys
+            v[rows, :, start:] = layer.values
+        self.mask[rows, start:] = seg_mask
+        self.length[rows] = lens
 
-        Only the rows being extended go through the model; the others get masked columns.
+    def _resize(self, keep: int) -> None:
+        """Make the cache ``keep`` columns wide: drop the first columns (a view) or prepend holes (a copy)."""
+        drop = self.columns - keep
+        if drop > 0:
+            self.kv = [(k[:, :, drop:], v[:, :, drop:]) for k, v in self.kv]
+            self.mask = self.mask[:, drop:]
+        elif drop < 0:
+            self.kv = [(torch.cat([k.new_zeros(*k.shape[:2], -drop, k.shape[3]), k], 2),
+                        torch.cat([v.new_zeros(*v.shape[:2], -drop, v.shape[3]), v], 2)) for k, v in self.kv]  # fmt: skip
+            self.mask = torch.cat([self.mask.new_zeros(self.batch_size, -drop), self.mask], 1)
+
+    @torch.no_grad()
+    def extend(self, rows: torch.Tensor, segments: list[torch.Tensor]) -> None:
+        """Append ``segments[i]`` (1-D ids, may be empty) to the cached tokens of row ``rows[i]``.
+
+        Only the rows being extended go through the model; the others get masked columns, and then
+        every row is right-aligned again (:meth:`compact`).
         """
         n, width = len(segments), max(len(s) for s in segments)
         if width == 0:
-            return torch.empty(0)
-        device = self.mask.device
-        ids = torch.zeros(n, width, dtype=torch.int64, device=device)
-        seg_mask = torch.zeros(n, width, dtype=torch.int64, device=device)
-        for i, seg in enumerate(segments):  # left-pad each segment (one copy per refill, not per step)
+            return
+        ids = torch.zeros(n, width, dtype=torch.int64, device=self.device)
+        seg_mask = torch.zeros(n, width, dtype=torch.int64, device=self.device)
+        for i, seg in enumerate(segments):  # left-pad each segment (one copy per extension, not per step)
             if len(seg):
                 ids[i, width - len(seg) :] = seg
                 seg_mask[i, width - len(seg) :] = 1
-        self._maybe_compact()  # refilled rows left holes: drop them before growing the cache
         positions = (self.length[rows, None] + seg_mask.cumsum(-1) - 1).clamp(min=0)
         attention = torch.cat([self.mask[rows], seg_mask], dim=1)
-        sub = self._cache(rows)
-        out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=sub)
-        self._append_columns(width)
+        sub = self._new_cache([(k[rows], v[rows]) for k, v in self.kv])
+        self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=sub,
+                   logits_to_keep=1)  # fmt: skip
+        self.kv = [(torch.cat([k, k.new_zeros(*k.shape[:2], width, k.shape[3])], 2),
+                    torch.cat([v, v.new_zeros(*v.shape[:2], width, v.shape[3])], 2)) for k, v in self.kv]  # fmt: skip
+        self.mask = torch.cat([self.mask, self.mask.new_zeros(self.batch_size, width)], 1)
         for i, layer in enumerate(sub.layers):
             k, v = self.kv[i]
             k[rows], v[rows] = layer.keys, layer.values
         self.mask[rows] = attention
         self.length[rows] += seg_mask.sum(-1)
-        return out.logits[:, -1]
+        self.compact()
 
-    def _append_columns(self, width: int) -> None:
-        self.kv = [
-            (torch.cat([k, k.new_zeros(*k.shape[:2], width, k.shape[3])], 2),
-             torch.cat([v, v.new_zeros(*v.shape[:2], width, v.shape[3])], 2))
-            for k, v in self.kv
-        ]  # fmt: skip
-        self.mask = torch.cat([self.mask, self.mask.new_zeros(self.batch_size, width)], dim=1)
-
+    # -- stepping --
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """Feed one token per slot (B,), appended where ``live``; returns next-token logits (B, V)."""
-        new_col = live.to(self.mask.dtype)[:, None]
-        attention = torch.cat([self.mask, new_col], dim=1)  # (B, C+1)
+        """Feed one token per slot (B,), appended where ``live``; returns next-token logits (B, V).
+
+        Every row attends to its new column (idle rows to their own token), so no row is ever fully
+        masked; only live rows count it as a cached token.
+        """
+        attention = torch.cat([self.mask, self._new_column], dim=1)  # (B, C+1)
         out = self.model(
             input_ids=tokens[:, None],
             attention_mask=attention,
@@ -133,18 +185,11 @@ class SlotKVCache:
             past_key_values=self.cache,
         )
         self.mask = attention
-        self.length = self.length + live
-        self._maybe_compact()
+        self.length += live
         return out.logits[:, -1]
 
-    def _maybe_compact(self) -> None:
-        # a compaction costs about one decode step's KV append, so squeezing holes once they pass 25%
-        # keeps attention and appends near the live length for a negligible amortized price
-        if self.columns > int(1.25 * int(self.length.max())) + 8:
-            self.compact()
-
     def compact(self) -> None:
-        """Squeeze out holes: right-align every row's valid columns (O(B * C), amortized O(1) per step)."""
+        """Right-align every row: its cached tokens become the last ``length`` columns (O(B * C))."""
         keep = int(self.length.max())
         order = torch.sort(self.mask, dim=1, stable=True).indices[:, self.columns - keep :]  # (B, keep)
         self.mask = self.mask.gather(1, order)
@@ -154,6 +199,7 @@ class SlotKVCache:
             for k, v in self.kv
         ]  # fmt: skip
 
+    # -- checkpoints --
     def state_dict(self) -> dict:
         """Keys, values, mask, lengths and trajectory ids (clones), for checkpoints."""
         return {"kv": [(k.clone(), v.clone()) for k, v in self.kv], "mask": self.mask.clone(),
@@ -167,6 +213,7 @@ class SlotKVCache:
         self.kv = [(k.clone(), v.clone()) for k, v in state["kv"]]
         self.mask, self.length = state["mask"].clone(), state["length"].clone()
         self.traj = state["traj"].clone()
+        self._seen = (None, None)
 
     def nbytes(self) -> int:
         """Bytes held by keys and values."""

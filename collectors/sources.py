@@ -9,10 +9,12 @@ from __future__ import annotations
 from enum import StrEnum
 
 import torch
+from tensordict import TensorDict
 
 from tokengym.collectors.policy import supports_steps, supports_waves
 from tokengym.collectors.recorders import flat_name
 from tokengym.llm_envs import keys
+from tokengym.llm_envs.errors import PromptError
 
 __all__ = ["SourceKind", "StepSource", "WaveSource", "make_source"]
 
@@ -20,6 +22,10 @@ __all__ = ["SourceKind", "StepSource", "WaveSource", "make_source"]
 _NEXT_SKIP = (keys.TRAJ_ID, keys.GROUP_ID, keys.SAMPLE_ID, keys.ACTIVE)
 _ROOT_SKIP = (keys.NEXT, keys.RESET, keys.REWARD[1], *keys.DONE_KEYS)  # done flags live under "next"
 _NEXT = keys.NEXT
+
+
+def _base(env):
+    return getattr(env, "base_env", env)
 
 
 class SourceKind(StrEnum):
@@ -62,31 +68,59 @@ class StepSource:
             raise TypeError(f"source='step' needs a policy callable on the step TensorDict; {type(policy).__name__} "
                             "only generates waves: use source='wave'")  # fmt: skip
         self.env, self.policy, self.obs = env, policy, None
+        self.to_refill: list[int] = []  # slots whose prompt failed to load: refilled before the next step
         self._keys = _StepKeys()
 
-    def start(self) -> list[int]:
-        """Reset every slot; returns the slots that took a prompt."""
-        self.obs = self.env.reset()
-        return list(range(self.env.batch_size[0]))
+    def start(self) -> tuple[list[int], PromptError | None]:
+        """Reset every slot: ``(slots that took a prompt, error of the prompts skipped or None)``."""
+        slots = list(range(self.env.batch_size[0]))
+        try:
+            self.obs = self.env.reset()
+        except PromptError as err:
+            self.obs, self.to_refill = err.observation, list(err.slots)
+            return [b for b in slots if b not in err.slots], err
+        return slots, None
 
-    def advance(self) -> tuple[dict, list[int]]:
-        """One step of every slot: ``(chunk (B, 1, ...), refilled slots)``."""
+    def advance(self) -> tuple[dict, list[int], PromptError | None]:
+        """One step of every slot: ``(chunk (B, 1, ...), refilled slots, error of skipped prompts or None)``.
+
+        A prompt that cannot be loaded never loses the step that finished its slot: the step is
+        recorded, the error returned, and the slot refilled with the next prompt on the next call.
+        """
+        refilled: list[int] = []
+        if self.to_refill:
+            slots, self.to_refill = self.to_refill, []
+            try:
+                self.obs = _base(self.env).refill(slots)
+            except PromptError as err:
+                self.obs, self.to_refill = err.observation, list(err.slots)
+                return {}, [b for b in slots if b not in err.slots], err
+            refilled = slots
         td = self.policy(self.obs)
-        out, self.obs = self.env.step_and_maybe_reset(td)
+        error = None
+        try:
+            out, self.obs = self.env.step_and_maybe_reset(td)
+        except PromptError as err:
+            if err.step is None:
+                raise
+            out, self.obs, self.to_refill, error = err.step, err.observation, list(err.slots), err
         nxt = out.get(_NEXT)
         done = nxt.get(keys.DONE[1]).reshape(-1)
-        refilled = done.nonzero().squeeze(-1).tolist() if bool(done.any()) else []
-        return self._keys.chunk(td, nxt, 1), refilled
+        if bool(done.any()):
+            refilled += [b for b in done.nonzero().squeeze(-1).tolist() if b not in self.to_refill]
+        return self._keys.chunk(td, nxt, 1), refilled, error
 
     def restart(self, slots: list[int]) -> None:
         """Start ``slots`` over from their prompts (in-flight work dropped)."""
-        self.obs = self.env.base_env.restart(slots) if hasattr(self.env, "base_env") else self.env.restart(slots)
+        self.obs = _base(self.env).restart(slots)
 
     def state_dict(self) -> dict:
-        return {"obs": None if self.obs is None else self.obs.clone()}
+        return {"obs": None if self.obs is None else self.obs.to_dict(), "to_refill": list(self.to_refill)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.obs = state["obs"]
+        obs = state["obs"]
+        self.obs = None if obs is None else TensorDict(obs, self.env.batch_size)
+        self.to_refill = list(state.get("to_refill", []))
 
 
 class WaveSource:
@@ -106,27 +140,38 @@ class WaveSource:
             raise TypeError("source='wave' needs a bare TokenEnv (env transforms run per step); use source='step'")
         self.env, self.policy, self.done = env, policy, None
 
-    def start(self) -> list[int]:
-        self.env.reset()
+    def start(self) -> tuple[list[int], PromptError | None]:
         self.done = torch.zeros(self.env.batch_size[0], dtype=torch.bool)
-        return list(range(self.env.batch_size[0]))
+        slots = list(range(self.env.batch_size[0]))
+        try:
+            self.env.reset()
+        except PromptError as err:
+            self.done[err.slots] = True
+            return [b for b in slots if b not in err.slots], err
+        return slots, None
 
-    def advance(self) -> tuple[dict, list[int]]:
-        """One wave: ``(chunk (B, T, ...), refilled slots)``; the chunk is empty when nothing is live."""
+    def advance(self) -> tuple[dict, list[int], PromptError | None]:
+        """One wave: ``(chunk (B, T, ...), refilled slots, error of skipped prompts or None)``; the chunk is
+        empty when nothing is live. A slot whose prompt fails to load is refilled at the next wave."""
         refilled = self.done.nonzero().squeeze(-1).tolist()
         if refilled:
-            self.env.refill(refilled)
+            try:
+                self.env.refill(refilled)
+            except PromptError as err:
+                self.done = torch.zeros_like(self.done)
+                self.done[err.slots] = True
+                return {}, [b for b in refilled if b not in err.slots], err
         request = self.env.wave_request()
         if len(request) == 0:
             self.done = torch.zeros_like(self.done)
-            return {}, refilled
+            return {}, refilled, None
         steps = self.env.unroll(request, self.policy.generate(request))
         nxt = steps.get(_NEXT)
         self.done = nxt.get(keys.DONE[1]).squeeze(-1).any(1)
         out = {flat_name(k): v for k, v in steps.items(include_nested=True, leaves_only=True)}
         for name in _NEXT_SKIP:
             out.pop(f"{_NEXT}.{name}", None)
-        return out, refilled
+        return out, refilled, None
 
     def restart(self, slots: list[int]) -> None:
         self.env.restart(slots)

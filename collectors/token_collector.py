@@ -135,7 +135,7 @@ class TokenCollector:
         """Advance the source once and record what it produced."""
         if self._queued_weights:
             self._apply_queued_weights()
-        chunk, refilled = self.source.advance()
+        chunk, refilled, error = self.source.advance()
         if refilled:
             self._remember_prompts(refilled)
         for traj, ids in self.base_env.pop_finished_sequences().items():
@@ -143,6 +143,8 @@ class TokenCollector:
         if chunk:
             self.steps_done += next(iter(chunk.values())).shape[1]
             self.pending = self.recorder.write(chunk)
+        if error is not None:
+            raise error  # recorded first: iterate again to go on with the next prompts
 
     def _has_budget(self) -> bool:
         return self.total_steps == -1 or self.steps_done < self.total_steps
@@ -150,8 +152,11 @@ class TokenCollector:
     def _next_batch(self) -> TensorDictBase | None:
         """Step until a batch is full; ``None`` when the budget or the prompt source runs out."""
         if not self.is_started:
-            self._remember_prompts(self.source.start())
+            slots, error = self.source.start()
+            self._remember_prompts(slots)
             self.is_started = True
+            if error is not None:
+                raise error
         start, steps0 = time.perf_counter(), self.steps_done
         if self.pending is not None:
             self.pending = self.recorder.write(self.pending)

@@ -64,6 +64,8 @@ class TransformersPolicy(TensorDictModuleBase):
         self.model, self.sampling = model, sampling or SamplingConfig()
         self.env = _base_env(env)
         _check_vocab(model, self.env)
+        _check_banned(self.sampling, int(model.config.vocab_size))
+        _check_context(model, self.env)
         self.return_raw_log_prob = return_raw_log_prob
         if return_raw_log_prob:
             self.out_keys = [*self.out_keys, keys.RAW_LOG_PROB]
@@ -230,4 +232,22 @@ def _check_vocab(model, env) -> None:
         raise ValueError(
             f"the model can emit ids up to {model_vocab - 1} but the env accepts [0, {env.vocab_size}); "
             "build the env with model_config=model.config"
+        )
+
+
+def _check_banned(sampling: SamplingConfig, vocab: int) -> None:
+    bad = [i for i in sampling.banned_token_ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"banned_token_ids {bad} are outside the model's vocabulary [0, {vocab}); drop them")
+    if len(set(sampling.banned_token_ids)) >= vocab:
+        raise ValueError(f"banned_token_ids bans all {vocab} tokens of the vocabulary: nothing is left to sample")
+
+
+def _check_context(model, env) -> None:
+    config = model.config
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and env.max_length > int(limit):
+        raise ValueError(
+            f"the env holds sequences of up to max_length={env.max_length} tokens but {type(model).__name__} has "
+            f"{int(limit)} positions; build the env with model_config=model.config (or max_length <= {int(limit)})"
         )

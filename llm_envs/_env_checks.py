@@ -19,7 +19,8 @@ def context_limit(tokenizer, model_config) -> int:
 def check_rewards(values, slots: list[int], prompts: list[Prompt]) -> torch.Tensor:
     n, first = len(slots), f"slots {slots} (first: prompt {prompts[0].index} {prompts[0].text[:60]!r})"
     try:
-        out = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
+        # detached: a reward function's autograd graph must not reach the collected batch
+        out = torch.as_tensor(values, dtype=torch.float32).detach().reshape(-1)
     except (TypeError, ValueError, RuntimeError) as err:
         raise RewardFunctionError(f"reward_fn must return {n} numbers for {first}, got {values!r:.80} ({err})") from err
     if out.numel() != n:

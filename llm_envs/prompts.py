@@ -85,6 +85,7 @@ class PromptSource:
         self._order: list[int] | None = None
         self._current: tuple[int, torch.Tensor, str, dict] | None = None
         self.is_exhausted = False
+        self.shard_index, self.num_shards = 0, 1
 
     # -- order and state --
     def _epoch_order(self) -> list[int]:
@@ -120,6 +121,9 @@ class PromptSource:
         """The next prompt sample, or ``None`` once the source is exhausted."""
         if self._current is None or self._sample >= self.group_size:
             nxt = self._next_item()
+            while nxt is not None and self._group % self.num_shards != self.shard_index:
+                self._group += 1  # another shard's group: skipped unencoded, its id stays that shard's
+                nxt = self._next_item()
             if nxt is None:
                 self.is_exhausted = True
                 return None
@@ -130,6 +134,31 @@ class PromptSource:
         index, ids, text, meta = self._current
         self._sample += 1
         return Prompt(ids, text, meta, index, self._group - 1, self._sample - 1)
+
+    def shard(self, index: int, num_shards: int) -> PromptSource:
+        """Keep only the groups whose id ``g`` has ``g % num_shards == index`` (in place; returns ``self``).
+
+        Group ids stay those of the unsharded source and all ``group_size`` samples of a group go to one
+        shard, so ``num_shards`` sources built alike and sharded ``0 .. num_shards - 1`` split the prompt
+        stream exactly (one shard per Ray worker, say). Other shards' items are skipped without being
+        encoded. Call it before the first draw.
+
+        Example:
+            >>> from tokengym.testing import tiny_tokenizer
+            >>> src = PromptSource(["a", "b", "c"], tiny_tokenizer(), group_size=2, epochs=1).shard(1, 2)
+            >>> [(p.text, p.group_id, p.sample_id) for p in src]
+            [('b', 1, 0), ('b', 1, 1)]
+        """
+        for name, value in (("index", index), ("num_shards", num_shards)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"shard {name} must be an int, got {value!r}")
+        if num_shards <= 0 or not 0 <= index < num_shards:
+            raise ValueError(f"shard needs num_shards >= 1 and 0 <= index < num_shards, got index={index}, "
+                             f"num_shards={num_shards}")  # fmt: skip
+        if self._group or self._current is not None:
+            raise ValueError(f"shard() must come before the first draw; this source has drawn {self._group} groups")
+        self.shard_index, self.num_shards = index, num_shards
+        return self
 
     def state_dict(self) -> dict:
         """Cursor of the source; restoring it replays the same prompts (iterables are re-read and skipped)."""
@@ -201,6 +230,10 @@ class PromptSource:
             ids = tok(text, add_special_tokens=False)["input_ids"]
             return torch.tensor(ids, dtype=torch.int64), text
         if isinstance(item, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            bad = [t for t in item if not 0 <= t < len(tok)]
+            if bad:  # decoding them would fail deep inside the tokenizer
+                raise ValueError(f"prompt item {index} holds token id {bad[0]}, outside the vocabulary [0, {len(tok)}); "
+                                 "encode it with the env's tokenizer")  # fmt: skip
             ids = torch.tensor(list(item), dtype=torch.int64)
             return ids, tok.decode(ids) if len(ids) else ""
         raise TypeError(

@@ -12,7 +12,7 @@ from torchrl.envs import EnvBase
 from tokengym.llm_envs import keys
 from tokengym.llm_envs._env_checks import check_int, check_rewards, check_tokenizer, context_limit, eos_ids
 from tokengym.llm_envs._stop import StopChecker
-from tokengym.llm_envs.errors import ResetNeeded, RewardFunctionError
+from tokengym.llm_envs.errors import PromptError, ResetNeeded, RewardFunctionError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
 from tokengym.llm_envs.unroll import TurnEnd, WaveSteps, unroll_wave
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
@@ -195,7 +195,13 @@ class TokenEnv(EnvBase):
 
     # -- reset --
     def _fill_slot(self, b: int) -> None:
-        self._load_prompt(b, self.source.next())
+        try:
+            prompt = self.source.next()
+        except PromptError:
+            raise
+        except (ValueError, KeyError, TypeError, OverflowError) as err:
+            raise PromptError(f"{type(err).__name__}: {err}") from err
+        self._load_prompt(b, prompt)
 
     def _load_prompt(self, b: int, prompt: Prompt | None) -> None:
         s = self._rt.state
@@ -208,10 +214,15 @@ class TokenEnv(EnvBase):
             return
         n = prompt.ids.numel()
         if n >= self.max_length:
-            self._prompts[b], s[keys.ACTIVE][b] = None, False
-            raise ValueError(
-                f"prompt {prompt.index} has {n} tokens but max_length is {self.max_length} (prompt + response); "
-                "shorten the prompt or raise max_length"
+            raise PromptError(
+                f"prompt {prompt.index} {prompt.text[:60]!r} has {n} tokens but max_length is {self.max_length} "
+                "(prompt + response); shorten the prompt or raise max_length"
+            )
+        lo, hi = int(prompt.ids.min()), int(prompt.ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise PromptError(
+                f"prompt {prompt.index} {prompt.text[:60]!r} holds token id {lo if lo < 0 else hi}, outside the "
+                f"vocabulary [0, {self.vocab_size}); encode it with the env's tokenizer (or pass model_config)"
             )
         self._tokens[b, :n] = prompt.ids
         s[keys.TOKEN][b] = prompt.ids[-1]
@@ -233,12 +244,25 @@ class TokenEnv(EnvBase):
     def refill(self, slots: Iterable[int]) -> TensorDictBase:
         """Load the next prompts into ``slots`` (a partial reset) and return the observation of every slot."""
         self._copy_on_write()
+        failed: list[tuple[int, PromptError]] = []
         for b in slots:
-            self._rt.done[b] = False
-            self._fill_slot(b)
+            try:
+                self._fill_slot(b)
+                self._rt.done[b] = False
+            except PromptError as err:  # the slot idles, done: the next refill gives it the next prompt
+                self._rt.done[b], self._rt.state[keys.ACTIVE][b], self._prompts[b] = True, False, None
+                failed.append((b, err))
         self._rt.is_reset = True
         zeros = torch.zeros(self.batch_size[0], 1, dtype=torch.bool)
-        return self._observation(self._rt.done.unsqueeze(-1).clone(), zeros, zeros.clone())
+        obs = self._observation(self._rt.done.unsqueeze(-1).clone(), zeros, zeros.clone())
+        if failed:
+            b, err = failed[0]
+            raise PromptError(
+                f"{len(failed)} prompt(s) could not be loaded and were skipped (slot {b}: {err}); "
+                "the slots are refilled with the next prompts on the next refill, nothing collected is lost",
+                slots=[s for s, _ in failed], observation=obs,
+            ) from err
+        return obs
 
     def restart(self, slots: Iterable[int]) -> TensorDictBase:
         """Start the trajectories in ``slots`` over from their prompt, under a new trajectory id (their
@@ -273,7 +297,11 @@ class TokenEnv(EnvBase):
         tensordict.set(keys.NEXT, nxt)
         done = nxt.get(keys.DONE[1])
         if bool(done.any()):
-            return tensordict, self.refill(done.reshape(-1).nonzero().squeeze(-1).tolist())
+            try:
+                return tensordict, self.refill(done.reshape(-1).nonzero().squeeze(-1).tolist())
+            except PromptError as err:
+                err.step = tensordict  # the step itself succeeded: the caller records it
+                raise
         return tensordict, self._observation(done, nxt.get(keys.TERMINATED[1]), nxt.get(keys.TRUNCATED[1]))
 
     def _check_action(self, action) -> torch.Tensor:

@@ -79,7 +79,7 @@ def test_turn_discount_and_scale_reward(scripted, tokenizer):
     assert discounted[0, last].item() == 1.0
     scaled = ScaleReward(scale=2.0, bias=0.25)(batch.clone())[keys.REWARD].squeeze(-1)
     assert scaled[0, last].item() == pytest.approx((1.0 - 0.25) * 2.0)  # the done step
-    assert scaled[0, n0 - 1].item() == -0.5  # a turn's reward (not done) is left alone
+    assert scaled[0, n0 - 1].item() == pytest.approx((-0.5 - 0.25) * 2.0)  # every turn's reward is scaled (AReaL)
 
 
 def test_padded_action_mask_marks_generated_tokens_only(scripted, tokenizer):

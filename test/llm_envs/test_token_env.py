@@ -9,6 +9,7 @@ from tensordict import TensorDict
 from torchrl.envs.utils import check_env_specs
 
 from tokengym.llm_envs import PromptSource, ResetNeeded, RewardFunctionError, TokenEnv, keys
+from tokengym.llm_envs.errors import PromptError
 
 EOS, PAD = 1, 0
 A, B_, NL = 40, 41, 206  # "A", "B", "\n" in the tiny tokenizer
@@ -328,7 +329,7 @@ def test_empty_prompt(tokenizer):
 
 def test_prompt_longer_than_max_length(tokenizer):
     env = make(tokenizer, ["x" * 40], max_length=16)
-    with pytest.raises(ValueError, match="prompt 0 has 40 tokens but max_length is 16.*raise max_length"):
+    with pytest.raises(PromptError, match=r"prompt 0 'x+' has 40 tokens but max_length is 16.*raise max_length"):
         env.reset()
 
 
