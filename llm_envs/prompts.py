@@ -45,10 +45,12 @@ class PromptSource:
     Args:
         prompts: the items.
         tokenizer: a transformers tokenizer.
-        group_size: samples per prompt (GRPO's G).
+        group_size: samples per prompt (GRPO's G; TRL's ``num_generations``, verl's ``rollout.n``).
         shuffle: shuffle a sized source each epoch with ``seed``.
         seed: seed of the shuffle.
         epochs: passes over a sized source; ``None`` repeats forever.
+        chat_template_kwargs: extra arguments of ``tokenizer.apply_chat_template`` for chat prompts
+            (e.g. ``{"enable_thinking": False}``).
 
     Example:
         >>> from tokengym.testing import tiny_tokenizer
@@ -66,6 +68,7 @@ class PromptSource:
         shuffle: bool = False,
         seed: int = 0,
         epochs: int | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> None:
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Iterable):
             raise TypeError(
@@ -80,6 +83,9 @@ class PromptSource:
             raise ValueError("prompts is empty: give at least one prompt")
         self.prompts, self.tokenizer, self.group_size = prompts, tokenizer, group_size
         self.shuffle, self.seed, self.epochs = shuffle, seed, epochs
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._iter: Iterator | None = None if self.is_sized else iter(prompts)
         self._epoch, self._pos, self._sample, self._group = 0, 0, 0, 0
         self._order: list[int] | None = None
@@ -226,7 +232,8 @@ class PromptSource:
                     f"prompt item {index} is a chat message list but the tokenizer has no chat_template; "
                     "set tokenizer.chat_template or pass plain strings"
                 )
-            text = tok.apply_chat_template(list(item), tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(list(item), tokenize=False, add_generation_prompt=True,
+                                           **self.chat_template_kwargs)  # fmt: skip
             ids = tok(text, add_special_tokens=False)["input_ids"]
             return torch.tensor(ids, dtype=torch.int64), text
         if isinstance(item, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):

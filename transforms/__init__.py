@@ -12,6 +12,7 @@ from tokengym.transforms.advantages import (
     discounted_returns,
     masked_whiten,
 )
+from tokengym.transforms.decoding import decode
 from tokengym.transforms.filtering import (
     ClipFilterLikeWeights,
     FilterMode,
@@ -43,6 +44,7 @@ from tokengym.transforms.trajectories import split_trajectories
 from tokengym.transforms.turn_discount import TurnDiscount
 
 __all__ = [
+    "decode",
     "SequenceLayout",
     "sequence_layout",
     "AdaptiveKLController",

@@ -160,6 +160,24 @@ def get_prompts(td: TensorDictBase, prompts: PromptTable | None, owner: str) -> 
                 f"{owner} reads the PromptTable under {keys.PROMPTS!r} (tokengym.llm_envs.keys) but got keys "
                 f"{found_keys(td)}; pass prompts=PromptTable(...) or collect with a tokengym collector"
             )
+    if isinstance(prompts, list | tuple):  # rows from a replay buffer: one table per stored batch
+        prompts = _merge_tables(prompts, owner)
     if not isinstance(prompts, PromptTable):
         raise TypeError(f"{owner} expects prompts to be a PromptTable, got {type(prompts).__name__}")
     return prompts
+
+
+def _merge_tables(tables, owner: str) -> PromptTable:
+    """One PromptTable from the (nested) list of tables a stacked or sampled batch carries."""
+    merged, seen, stack = PromptTable(), set(), [tables]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, PromptTable):
+            if id(item) not in seen:
+                seen.add(id(item))
+                merged.merge(item)
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        else:
+            raise TypeError(f"{owner} expects prompts to be PromptTables, got {type(item).__name__} in a stacked batch")
+    return merged
