@@ -64,3 +64,38 @@ def test_math_task_with_real_policy(tokenizer, model):
     mask = batch[keys.MASK]
     scored = step_log_probs(model, batch, pad_id=tokenizer.pad_token_id)
     torch.testing.assert_close(scored[mask], batch[keys.RAW_LOG_PROB][mask], atol=1e-5, rtol=1e-5)
+
+
+def test_wave_source_equals_stepping_across_turns(tokenizer):
+    """Waves continue each slot's full history turn by turn: greedy waves == greedy stepping, every key."""
+    from tokengym.collectors import SamplingConfig
+
+    model = tiny_model(tokenizer)
+    eos = list(range(0, len(tokenizer), 6))
+
+    def first_trajectories(source):
+        env = MultiTurnTokenEnv(["1+1=", "2+3=", "7*8="], tokenizer, _feedback, max_turns=3, batch_size=3,
+                                max_new_tokens=40, model_config=model.config, eos_token_ids=eos)  # fmt: skip
+        policy = TransformersPolicy(model, env, sampling=SamplingConfig(greedy=True), return_raw_log_prob=True)
+        rows = []
+        for batch in TokenCollector(env, policy, mode="trajectories", batch_size=1, source=source):
+            if int(batch[keys.TRAJ_ID][0, 0]) < 3:
+                rows.append(batch)
+            if len(rows) == 3:
+                return sorted(rows, key=lambda b: int(b[keys.TRAJ_ID][0, 0]))
+        raise AssertionError("the first three trajectories never finished")
+
+    stepped, waved = first_trajectories("step"), first_trajectories("wave")
+    assert any(bool((b[keys.TURN] > 0).any()) for b in stepped)  # really multi-turn
+    for a, b in zip(stepped, waved, strict=True):
+        assert a.shape == b.shape
+        for key in a.keys(True, True):
+            x, y = a.get(key), b.get(key)
+            if not isinstance(x, torch.Tensor):
+                continue
+            if x.is_floating_point():
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+            else:
+                assert torch.equal(x, y), key
+        assert torch.equal(a.get_non_tensor(keys.PROMPTS).sequence(int(a[keys.TRAJ_ID][0, 0])),
+                           b.get_non_tensor(keys.PROMPTS).sequence(int(b[keys.TRAJ_ID][0, 0])))  # fmt: skip
