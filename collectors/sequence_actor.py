@@ -7,7 +7,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
 from tokengym.llm_envs import keys
-from tokengym.transforms.scoring import sequence_layout
+from tokengym.transforms.sequences import sequence_layout
 
 __all__ = ["MaskedCategorical", "PaddedSequenceActor", "SequenceActor"]
 

@@ -22,13 +22,14 @@ from tokengym.llm_envs import TokenEnv, keys
 from tokengym.llm_envs.tasks import arithmetic_prompts, arithmetic_reward
 from tokengym.testing import tiny_model, tiny_tokenizer
 from tokengym.transforms import AdaptiveKLController, KLRewardTransform
-from tokengym.transforms.scoring import batch_sequences
+from tokengym.transforms.sequences import sequence_layout
 
 
 @torch.no_grad()
 def last_hidden(model, batch: TensorDictBase, pad_id: int) -> torch.Tensor:
     """Hidden state (N, T, H) that predicts each response step: column P-1+t of one teacher-forced forward."""
-    tokens, attention_mask, width = batch_sequences(batch, pad_id=pad_id)
+    layout = sequence_layout(batch, pad_id=pad_id)
+    tokens, attention_mask, width = layout.tokens, layout.attention_mask, layout.response_start
     attention_mask = attention_mask.long()
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=tokens, attention_mask=attention_mask, position_ids=positions,

@@ -32,9 +32,8 @@ from tokengym.transforms.kl_control import AdaptiveKLController, ConstantKLContr
 from tokengym.transforms.kl_reward import K3Clamp, KLEstimator, KLRewardTransform, kl_estimate
 from tokengym.transforms.layouts import dpo_pairs, padded_to_steps, to_packed, to_padded
 from tokengym.transforms.reward_shaping import ClipReward, MissingEOSPenalty, OverlongPenalty, ScaleReward
-from tokengym.transforms.scoring import (
+from tokengym.transforms.sequences import (
     SequenceLayout,
-    batch_sequences,
     check_trajectory_rows,
     sequence_layout,
     sequence_log_probs,
@@ -68,7 +67,6 @@ __all__ = [
     "ScaleReward",
     "TurnDiscount",
     "ZeroStdGroupFilter",
-    "batch_sequences",
     "check_trajectory_rows",
     "clip_filter_like_weights",
     "discounted_returns",

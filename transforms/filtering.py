@@ -16,7 +16,7 @@ from tokengym.llm_envs import keys
 from tokengym.transforms._base import BatchTransform
 from tokengym.transforms._checks import check_number, require, squeeze_last, valid_mask
 from tokengym.transforms.group_advantages import group_stats, sequence_scores
-from tokengym.transforms.scoring import check_trajectory_rows
+from tokengym.transforms.sequences import check_trajectory_rows
 
 __all__ = ["FilterMode", "ZeroStdGroupFilter", "clip_filter_like_weights", "ClipFilterLikeWeights",
            "ratio_window_weights", "RatioWindowWeights"]  # fmt: skip

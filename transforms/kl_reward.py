@@ -19,7 +19,7 @@ from tokengym.transforms._checks import (
     valid_mask,
 )
 from tokengym.transforms.kl_control import ConstantKLController, KLController
-from tokengym.transforms.scoring import step_log_probs
+from tokengym.transforms.sequences import step_log_probs
 
 __all__ = ["KLEstimator", "K3Clamp", "kl_estimate", "KLRewardTransform"]
 

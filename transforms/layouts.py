@@ -15,7 +15,7 @@ from tokengym.llm_envs import keys
 from tokengym.llm_envs.prompt_table import PromptTable
 from tokengym.transforms._checks import check_batch, found_keys
 from tokengym.transforms.group_advantages import sequence_scores
-from tokengym.transforms.scoring import sequence_layout
+from tokengym.transforms.sequences import sequence_layout
 
 __all__ = ["to_padded", "padded_to_steps", "to_packed", "dpo_pairs"]
 
@@ -32,7 +32,7 @@ def to_padded(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_
     (0 / False in the prompt columns). ``keys.RESPONSE_START`` (non-tensor) holds ``P``.
     Multi-turn rows (``keys.TURN > 0``) hold their full sequence from the PromptTable: env feedback
     sits between the turns with ``ACTION_MASK`` False and step keys 0, and step ``t`` is at column
-    ``P + seq_len[t] - seq_len[0]`` (see :func:`~tokengym.transforms.scoring.sequence_layout`).
+    ``P + seq_len[t] - seq_len[0]`` (see :func:`~tokengym.transforms.sequences.sequence_layout`).
 
     Args:
         batch: TRAJECTORIES batch [N, T] (see :func:`~tokengym.transforms.split_trajectories`).
@@ -112,7 +112,7 @@ def padded_to_steps(padded: TensorDictBase) -> TensorDictBase:
 def _step_columns(padded: TensorDictBase, width: int) -> torch.Tensor | None:
     """Columns of the steps in a multi-turn padded layout (``None`` when they are ``[width, L)``).
 
-    Inverts :func:`~tokengym.transforms.scoring.sequence_layout`: valid steps are the generated
+    Inverts :func:`~tokengym.transforms.sequences.sequence_layout`: valid steps are the generated
     tokens in order, then the padding steps fill the columns after each row's last token.
     """
     generated = padded.get(keys.ACTION_MASK)[:, width:]

@@ -6,7 +6,7 @@ from tokengym.llm_envs import RewardFunctionError, check_env, keys
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
 from tokengym.llm_envs.tasks import WRONG_FEEDBACK, MultiTurnMathFeedback, make_multi_turn_math_env
 from tokengym.transforms import ScaleReward, TurnDiscount, to_padded
-from tokengym.transforms.scoring import sequence_layout
+from tokengym.transforms.sequences import sequence_layout
 
 PROMPTS = [{"prompt": "12+7=", "answer": "19"}, {"prompt": "3+4=", "answer": "7"}]
 

@@ -1,4 +1,4 @@
-"""Teacher-forced scoring: log-probs of given tokens under a causal LM, in one forward pass.
+"""Sequences of a collected batch: the padded prompt + response layout and teacher-forced log-probs of its tokens.
 
 The collectors' policy, the KL transform (reference log-probs) and the losses share these helpers.
 """
@@ -20,7 +20,7 @@ from tokengym.transforms._checks import (
     valid_mask,
 )
 
-__all__ = ["SequenceLayout", "sequence_log_probs", "sequence_layout", "batch_sequences", "step_log_probs",
+__all__ = ["SequenceLayout", "sequence_log_probs", "sequence_layout", "step_log_probs",
            "check_trajectory_rows"]
 
 
@@ -171,7 +171,7 @@ def sequence_layout(batch: TensorDictBase, prompts: PromptTable | None = None, *
         >>> lay.tokens.tolist(), lay.action_mask.long().tolist(), lay.columns.tolist()
         ([[7, 8, 3, 9, 9, 4]], [[0, 0, 1, 0, 0, 1]], [[2, 5]])
     """
-    owner = "batch_sequences"
+    owner = "sequence_layout"
     mask = check_trajectory_rows(batch, owner)
     table = get_prompts(batch, prompts, owner)
     action = require(batch, keys.ACTION, owner)
@@ -211,35 +211,6 @@ def sequence_layout(batch: TensorDictBase, prompts: PromptTable | None = None, *
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     action_mask = torch.cat([torch.zeros_like(prompt_mask), generated], dim=1)
     return SequenceLayout(tokens, attention_mask, action_mask, width, width + offsets)
-
-
-def batch_sequences(batch: TensorDictBase, prompts: PromptTable | None = None, *,
-                    pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
-    """Left-padded prompt + right-padded response of every row of a TRAJECTORIES batch.
-
-    Multi-turn rows (``keys.TURN > 0``) hold their full sequence, env feedback included; see
-    :func:`sequence_layout` for where each step's action sits (``P + t`` on single-turn rows).
-
-    Args:
-        batch: collected batch [N, T] with ``keys.ACTION``, ``keys.GROUP_ID``, ``keys.TRAJ_ID``.
-        prompts: the PromptTable; defaults to the one under ``keys.PROMPTS``.
-        pad_id: token id used for padding.
-
-    Returns:
-        ``(tokens, attention_mask, P)``: int64 (N, L), bool (N, L), and the prompt width ``P``;
-        single-turn, response step ``t`` of row ``i`` is at column ``P + t``.
-
-    Example:
-        >>> from tensordict import TensorDict
-        >>> table = PromptTable(); table.add(0, torch.tensor([7, 8])); table.add(1, torch.tensor([9]))
-        >>> b = TensorDict({keys.ACTION: torch.tensor([[3, 4], [5, 0]]), keys.GROUP_ID: torch.tensor([[0, 0], [1, 1]]),
-        ...                 keys.TRAJ_ID: torch.tensor([[0, 0], [1, 1]]), keys.MASK: torch.tensor([[1, 1], [1, 0]]).bool()}, [2, 2])
-        >>> tokens, attn, width = batch_sequences(b, table)
-        >>> tokens.tolist(), width
-        ([[7, 8, 3, 4], [0, 9, 5, 0]], 2)
-    """
-    layout = sequence_layout(batch, prompts, pad_id=pad_id)
-    return layout.tokens, layout.attention_mask, layout.response_start
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ import torch
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.prompt_table import PromptTable
 from tokengym.testing import make_trajectory_batch, tiny_model, tiny_tokenizer, to_steps_layout
-from tokengym.transforms import batch_sequences, check_trajectory_rows, sequence_log_probs, step_log_probs
+from tokengym.transforms import check_trajectory_rows, sequence_layout, sequence_log_probs, step_log_probs
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,10 @@ def test_step_log_probs_aligned_with_steps(lm):
     assert out[1, 1:].eq(0).all()
 
 
-def test_batch_sequences_layout():
+def test_sequence_layout_rows():
     batch = make_trajectory_batch([2, 1], group_size=1)
-    tokens, attn, width = batch_sequences(batch)
+    layout = sequence_layout(batch)
+    tokens, attn, width = layout.tokens, layout.attention_mask, layout.response_start
     table = batch.get_non_tensor(keys.PROMPTS)
     assert width == max(len(table.ids(0)), len(table.ids(1)))
     assert tokens[1, width:].tolist() == [batch[keys.ACTION][1, 0].item(), 0]
@@ -66,16 +67,16 @@ def test_bad_args(lm):
         sequence_log_probs(lm, tokens[0], tokens[0])
     batch = make_trajectory_batch([2, 3, 1])
     with pytest.raises(KeyError, match="PromptTable under"):
-        batch_sequences(batch.exclude(keys.PROMPTS))
+        sequence_layout(batch.exclude(keys.PROMPTS))
     with pytest.raises(TypeError, match="prompts to be a PromptTable"):
-        batch_sequences(batch, prompts={0: [1]})
+        sequence_layout(batch, prompts={0: [1]})
     with pytest.raises(ValueError, match="needs a TRAJECTORIES batch .* row 0"):
         check_trajectory_rows(to_steps_layout(batch, rows=1), "x")
     empty = PromptTable()
     for g in range(3):
         empty.add(g, torch.zeros(0, dtype=torch.long))
     with pytest.raises(ValueError, match="empty prompt"):
-        batch_sequences(batch, empty)
+        sequence_layout(batch, empty)
     batch[keys.TURN][0, 1] = 1  # multi-turn rows need their full sequence in the table
     with pytest.raises(KeyError, match="trajectory id 0 is not in this PromptTable"):
-        batch_sequences(batch)
+        sequence_layout(batch)
