@@ -2,7 +2,13 @@
 
 from tokengym.llm_envs import keys, tasks, tools
 from tokengym.llm_envs.checker import check_env
-from tokengym.llm_envs.errors import ContractError, PromptError, ResetNeeded, RewardFunctionError, TokenGymError
+from tokengym.llm_envs.errors import (
+    ContractError,
+    PromptError,
+    ResetNeeded,
+    RewardFunctionError,
+    TokenGymError,
+)
 from tokengym.llm_envs.gym_adapter import GymTokenEnv, register_envs
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn, TurnFn
 from tokengym.llm_envs.prompt_table import PromptTable

@@ -15,8 +15,22 @@ from tokengym.collectors import (
     TokenPolicy,
     TransformersPolicy,
 )
-from tokengym.llm_envs import MathAnswerReward, MultiTurnTokenEnv, PromptSource, TokenEnv, Turn, check_env, keys
-from tokengym.transforms import AdaptiveKLController, GAEAdvantage, GroupAdvantage, KLRewardTransform, to_padded
+from tokengym.llm_envs import (
+    MathAnswerReward,
+    MultiTurnTokenEnv,
+    PromptSource,
+    TokenEnv,
+    Turn,
+    check_env,
+    keys,
+)
+from tokengym.transforms import (
+    AdaptiveKLController,
+    GAEAdvantage,
+    GroupAdvantage,
+    KLRewardTransform,
+    to_padded,
+)
 
 __version__ = "0.1.0"
 __all__ = [

@@ -1,7 +1,7 @@
+import functools
+
 import pytest
 import torch
-
-import functools
 
 from tokengym.collectors import SamplingConfig, TokenCollector
 from tokengym.llm_envs import keys
