@@ -21,7 +21,7 @@ setup(
     python_requires=">=3.11",
     packages=_packages(),
     package_dir=_FOLDERS,
-    package_data={"tokengym": ["py.typed", "data/*.json"]},
+    package_data={"tokengym": ["py.typed", "data/*.json"], "tokengym.llm_envs": ["data/*.json"]},
     install_requires=[
         "torch>=2.5",
         "tensordict>=0.14.3,<0.15",
@@ -32,6 +32,8 @@ setup(
         "gymnasium>=1,<2",
         "datasets",
         "numpy",
+        # MathAnswerReward's verifier; the extra pins the ANTLR runtime its LaTeX parser needs
+        "math-verify[antlr4_13_2]>=0.9,<0.10",
     ],
     extras_require={
         "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff", "build"],

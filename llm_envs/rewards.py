@@ -11,8 +11,11 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,11 +26,17 @@ __all__ = [
     "MathAnswerReward",
     "RewardModelReward",
     "extract_answer",
+    "last_boxed",
     "normalize_answer",
 ]
 
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
 _BOXED = "\\boxed{"
+_INT = re.compile(r"[-+]?\d+")
+# a response that is only an integer: "19", " -3.", "\boxed{19}", "$19$"
+_ONLY_INT = re.compile(r"\s*\$?\s*(?:\\boxed\{\s*([-+]?\d+)\s*\}|([-+]?\d+))\s*\$?\s*\.?\s*")
+_DIGIT = re.compile(r"\d")
+_VERIFIERS = ("math_verify", "exact")
 
 
 def _check_number(name: str, value) -> float:
@@ -36,8 +45,13 @@ def _check_number(name: str, value) -> float:
     return float(value)
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (braces may nest), or ``None``."""
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (braces may nest), or ``None`` (none, or unclosed).
+
+    Example:
+        >>> last_boxed("\\\\boxed{1} then \\\\boxed{\\\\frac{1}{2}}"), last_boxed("\\\\boxed{3")
+        ('\\\\frac{1}{2}', None)
+    """
     start = text.rfind(_BOXED)
     if start < 0:
         return None
@@ -56,7 +70,7 @@ def extract_answer(text: str) -> str | None:
         >>> extract_answer("3 + 4 = 7, so \\\\boxed{7}"), extract_answer("it is 1,024."), extract_answer("no")
         ('7', '1,024', None)
     """
-    boxed = _last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None:
         return boxed
     numbers = _NUMBER.findall(text)
@@ -77,31 +91,104 @@ def normalize_answer(answer) -> str:
     return "0" if text == "-0" else text
 
 
-class MathAnswerReward:
-    """Exact-match math verifier: ``correct`` if the response's answer equals ``metadata[answer_key]``.
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str, timeout_s: int | None) -> tuple:
+    """math-verify's parse of a reference answer, read as LaTeX math (answers repeat across a group: cached)."""
+    from math_verify import parse
 
-    The answer is the content of the last ``\\boxed{...}`` or else the last number in the response;
-    both sides go through :func:`normalize_answer` before comparing.
+    is_latex_text = "$" in gold or _BOXED in gold
+    parsed = parse(gold if is_latex_text else f"${gold}$", parsing_timeout=timeout_s)
+    return tuple(parsed or parse(gold, parsing_timeout=timeout_s))
+
+
+class MathAnswerReward:
+    """Math answer verifier: ``correct`` if the response's answer equals ``metadata[answer_key]``.
+
+    With ``verifier="math_verify"`` (the default) answers are compared by HuggingFace
+    `math-verify <https://github.com/huggingface/Math-Verify>`_, the verifier TRL and Open-R1 use:
+    it finds the answer (``\\boxed{}``, ``$...$``, "the answer is ...", the last expression) and
+    compares values, so ``\\frac{1}{2}`` equals ``0.5``, ``10^{3}`` equals ``1000``,
+    ``\\text{(B)}`` equals ``B``, ``x=4`` equals ``4`` and ``4\\%`` equals ``0.04``. A response
+    that is only an integer (``"19"``, ``"\\boxed{19}"``) against an integer reference is compared
+    exactly, without math-verify (microseconds instead of about a millisecond); so is a response
+    with no digit at all against an integer reference (always wrong).
+
+    ``verifier="exact"`` takes the last ``\\boxed{...}`` or else the last number and compares the
+    strings after :func:`normalize_answer`. It suits tasks whose answers are plain numbers and where
+    an unevaluated expression must not count (math-verify accepts ``3+4`` for ``7``).
+
+    math-verify bounds parsing and comparing with ``signal.alarm`` (``timeout_s`` each), which only
+    works on the main thread; on other threads (e.g. a background collector) it runs without a time
+    limit.
 
     Args:
         answer_key: the metadata field holding the reference answer.
         correct: reward of a matching answer.
         wrong: reward of a wrong or missing answer.
+        verifier: ``"math_verify"`` or ``"exact"``.
+        timeout_s: seconds math-verify may spend parsing or comparing one answer (whole seconds, >= 1).
 
     Raises:
         KeyError: at call time, if a metadata dict lacks ``answer_key``.
+        ImportError: at construction, for ``verifier="math_verify"`` without the ``math-verify`` package.
 
     Example:
-        >>> MathAnswerReward(correct=2.0)(["7", "x"], ["3+4=", "3+4="], [{"answer": 7}, {"answer": 7}])
-        tensor([2., 0.])
+        >>> reward = MathAnswerReward(correct=2.0)
+        >>> reward(["7", "x", "so \\\\boxed{\\\\frac{1}{2}}"], [""] * 3, [{"answer": 7}, {"answer": 7}, {"answer": "0.5"}])
+        tensor([2., 0., 2.])
+        >>> MathAnswerReward(verifier="exact")(["3+4", "7"], [""] * 2, [{"answer": 7}] * 2)
+        tensor([0., 1.])
     """
 
-    def __init__(self, answer_key: str = "answer", *, correct: float = 1.0, wrong: float = 0.0) -> None:
+    def __init__(
+        self,
+        answer_key: str = "answer",
+        *,
+        correct: float = 1.0,
+        wrong: float = 0.0,
+        verifier: str = "math_verify",
+        timeout_s: int = 5,
+    ) -> None:
         if not isinstance(answer_key, str) or not answer_key:
             raise TypeError(f"answer_key must be a non-empty string (a metadata field), got {answer_key!r}")
+        if verifier not in _VERIFIERS:
+            raise ValueError(f"verifier must be one of {_VERIFIERS}, got {verifier!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 1:
+            raise ValueError(f"timeout_s must be an int >= 1 (math-verify's alarm counts whole seconds), got {timeout_s!r}")
+        if verifier == "math_verify" and importlib.util.find_spec("math_verify") is None:
+            raise ImportError(
+                "MathAnswerReward(verifier='math_verify') needs the math-verify package: "
+                "pip install 'math-verify[antlr4_13_2]', or use verifier='exact'"
+            )
         self.answer_key = answer_key
         self.correct = _check_number("correct", correct)
         self.wrong = _check_number("wrong", wrong)
+        self.verifier, self.timeout_s = verifier, timeout_s
+
+    def is_correct(self, response: str, answer) -> bool:
+        """Whether ``response`` gives ``answer`` (the reference), with this reward's verifier.
+
+        Example:
+            >>> MathAnswerReward().is_correct("The answer is 5. Check: 5+2=7", "5")
+            True
+        """
+        if self.verifier == "exact":
+            found = extract_answer(response)
+            return found is not None and normalize_answer(found) == normalize_answer(answer)
+        gold = str(answer).strip()
+        if _INT.fullmatch(gold):  # the fast exact path: integer reference, integer-only response
+            only = _ONLY_INT.fullmatch(response)
+            if only is not None:
+                return int(only.group(1) or only.group(2)) == int(gold)
+            if _DIGIT.search(response) is None:
+                return False
+        from math_verify import parse, verify
+
+        timeout = self.timeout_s if threading.current_thread() is threading.main_thread() else None
+        gold_parsed = _parse_gold(gold, timeout)
+        if not gold_parsed:
+            return False
+        return verify(list(gold_parsed), parse(response, parsing_timeout=timeout), timeout_seconds=timeout)
 
     def __call__(self, responses: list[str], prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         out = []
@@ -112,9 +199,7 @@ class MathAnswerReward:
                     f"keys {sorted(meta)}; give prompts as {{'prompt': ..., {self.answer_key!r}: ...}} "
                     "or set answer_key"
                 )
-            found = extract_answer(response)
-            is_correct = found is not None and normalize_answer(found) == normalize_answer(meta[self.answer_key])
-            out.append(self.correct if is_correct else self.wrong)
+            out.append(self.correct if self.is_correct(response, meta[self.answer_key]) else self.wrong)
         return torch.tensor(out, dtype=torch.float32)
 
 

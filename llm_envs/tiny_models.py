@@ -1,7 +1,8 @@
 """Offline tiny causal LMs and tokenizers for tests, examples, the demo and benchmarks.
 
-Nothing is downloaded: the tokenizer is a byte-level BPE trained at run time on a small built-in
-corpus, and the models are random-init transformers models built from a config.
+Nothing is downloaded: the tokenizer is a byte-level BPE loaded from a committed fixture (trained
+on the built-in tasks' words by :mod:`tokengym.llm_envs.make_tiny_tokenizer`), and the models are
+random-init transformers models built from a config.
 
 Example:
     >>> tok = tiny_tokenizer()
@@ -15,9 +16,10 @@ Example:
 from __future__ import annotations
 
 import functools
+from importlib import resources
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -28,7 +30,7 @@ from transformers import (
     Qwen2ForSequenceClassification,
 )
 
-__all__ = ["tiny_tokenizer", "tiny_model", "tiny_reward_model", "CHAT_TEMPLATE", "SIZES", "FAMILIES"]
+__all__ = ["tiny_tokenizer", "tiny_model", "tiny_reward_model", "CHAT_TEMPLATE", "SIZES", "FAMILIES", "VOCAB_SIZES"]
 
 PAD, EOS, BOS = "<|pad|>", "<|endoftext|>", "<|bos|>"
 USER, ASSISTANT, SYSTEM, TOOL, END_TURN = "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>", "<|end|>"
@@ -42,74 +44,36 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
-_CORPUS = [
-    "What is 12 + 7? The answer is 19.",
-    "Compute 3 * 4 and put the result in \\boxed{12}.",
-    "Reverse the string abc: cba. Reverse hello: olleh.",
-    "Use the numbers 2 3 5 to reach 10 with + - * /. Answer: 2*5=10",
-    "The quick brown fox jumps over the lazy dog.",
-    "Question: 45 - 17 = ? Answer: 28. Correct! Wrong, try again.",
-    "def add(a, b):\n    return a + b\nprint(add(2, 3))",
-    "<tool>calculator: (3 + 4) * 2</tool> result 14",
-    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 100 1000",
-    "user assistant system tool. Think step by step, then answer.",
-]
-
-_WORDS = (
-    "the a answer is correct wrong try again compute number result sum product difference "
-    "reverse string count down reach target use each once think step first then final value "
-    "python code tool call output error print return def import for in range if else while"
-).split()
-
-
-def _corpus() -> list[str]:
-    """The built-in corpus plus seeded synthetic lines, so BPE can learn up to ~2k merges."""
-    import random
-
-    rng = random.Random(0)
-    lines = list(_CORPUS)
-    for _ in range(3000):
-        a, b = rng.randint(0, 999), rng.randint(0, 999)
-        op = rng.choice("+-*")
-        words = " ".join(rng.choice(_WORDS) for _ in range(6))
-        lines.append(f"{words} {a} {op} {b} = {eval(f'{a}{op}{b}')} \\boxed{{{rng.randint(0, 99)}}}")
-        lines.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9))))
-    return lines
-
-
 SIZES = {
     "tiny": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 512},
     "small": {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 2048},
 }
 FAMILIES = ("qwen2", "gpt2")
+VOCAB_SIZES = (512, 2048)  # tokenizer fixtures in llm_envs/data/
 
 
 @functools.lru_cache(maxsize=4)
-def _trained_tokenizer_json(vocab_size: int) -> str:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    return tok.to_str()
+def _tokenizer_json(vocab_size: int) -> str:
+    return (resources.files("tokengym.llm_envs") / "data" / f"tiny_tokenizer_{vocab_size}.json").read_text("utf-8")
 
 
 def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Build a byte-level BPE tokenizer offline, with pad/eos tokens and a chat template.
+    """Load the offline byte-level BPE tokenizer, with pad/eos tokens and a chat template.
+
+    The tokenizer is a committed fixture (``llm_envs/data/tiny_tokenizer_<vocab_size>.json``), so it
+    is the same with every ``tokenizers`` version; ``python -m tokengym.llm_envs.make_tiny_tokenizer``
+    regenerates it.
 
     Args:
-        vocab_size: target vocabulary size (the corpus is small, so the result may be smaller;
-            256 byte tokens and the special tokens are always present).
+        vocab_size: 512 (the ``"tiny"`` models) or 2048 (the ``"small"`` models).
     """
-    if not isinstance(vocab_size, int) or vocab_size < 300:
-        raise ValueError(f"vocab_size must be an int >= 300 (256 bytes + specials), got {vocab_size!r}")
+    if vocab_size not in VOCAB_SIZES:
+        raise ValueError(
+            f"vocab_size must be one of {VOCAB_SIZES} (the shipped tokenizer fixtures), got {vocab_size!r}; "
+            "add another with python -m tokengym.llm_envs.make_tiny_tokenizer --vocab N"
+        )
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
         pad_token=PAD,
         eos_token=EOS,
         bos_token=BOS,

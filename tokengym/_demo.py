@@ -1,7 +1,10 @@
 """The main job behind ``make demo``: GRPO-style RL of an offline tiny model with TorchRL's ClipPPOLoss.
 
-A short supervised warm start teaches the answer format (and some answers); RL with an exact-match
-reward then raises the fraction of correct answers.
+The task is ``a+b=`` with operands in ``[0, max_operand]``. A few of these problems are held out:
+never trained on (neither in the warm start nor in RL), they show whether the model learns addition
+or memorises the training sums. A short supervised warm start teaches the answer format (and some
+answers); RL with an exact-match reward then raises the fraction of correct answers. Every
+``eval_every`` iterations the model answers every training and held-out problem greedily.
 """
 
 from __future__ import annotations
@@ -9,41 +12,75 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import random
+import sys
 import time
 
 import torch
 from torchrl.objectives import ClipPPOLoss
 
 from tokengym.collectors import SamplingConfig, SequenceActor, TokenCollector, TransformersPolicy
-from tokengym.llm_envs import MathAnswerReward, TokenEnv, keys
-from tokengym.llm_envs.tasks import arithmetic_prompts
+from tokengym.llm_envs import TokenEnv
+from tokengym.llm_envs.tasks import arithmetic_reward
 from tokengym.testing import tiny_model, tiny_tokenizer
 from tokengym.transforms import AdaptiveKLController, GroupAdvantage, KLRewardTransform
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    """Settings of the demo run."""
+    """Settings of the demo run; ``python -m tokengym demo --help`` lists each as a flag."""
 
     iterations: int = 200
     """Collected batches (one optimizer phase each)."""
     trajectories: int = 64
-    """Trajectories per batch (8 prompts x group_size)."""
+    """Trajectories per batch (prompts per batch x group_size)."""
     group_size: int = 8
-    """Samples per prompt for the group-relative advantage."""
+    """Samples per prompt for the group-relative advantage (TRL's num_generations, verl's rollout.n)."""
     lr: float = 1e-3
     """Adam learning rate."""
     max_new_tokens: int = 4
     """Response budget (tokens)."""
     max_operand: int = 4
-    """Operands of the built-in arithmetic task lie in [0, max_operand]."""
+    """Operands lie in [0, max_operand]: (max_operand + 1)^2 distinct problems."""
+    held_out: int = 5
+    """Problems never trained on, evaluated to tell learning from memorisation."""
+    eval_every: int = 10
+    """Greedy evaluation on the training and held-out problems every this many iterations."""
     warm_start_steps: int = 40
-    """Supervised steps on the task's answers before RL; a random-init 2-layer model does not find
+    """Supervised steps on the training answers before RL; a random-init 2-layer model does not find
     addition by RL alone in minutes (it learns the format only), so RL starts from a partial solver."""
     seed: int = 0
-    """Seed of the model init, prompt order and sampling."""
+    """Seed of the model init, the held-out split, prompt order and sampling."""
     out_dir: str = "demo_out"
     """Where the reward curve PNG goes."""
+
+    def __post_init__(self) -> None:
+        for name in ("iterations", "trajectories", "group_size", "max_new_tokens", "max_operand", "eval_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("held_out", "warm_start_steps", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.trajectories % self.group_size:
+            raise ValueError(
+                f"trajectories ({self.trajectories}) must be a multiple of group_size ({self.group_size}), "
+                "so every batch holds whole groups"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        n = (self.max_operand + 1) ** 2
+        if not self.held_out < n:
+            raise ValueError(f"held_out must be < the {n} problems of max_operand={self.max_operand}, got {self.held_out}")
+
+
+def split_problems(config: DemoConfig) -> tuple[list[dict], list[dict]]:
+    """Every ``a+b=`` problem of the config, shuffled by ``seed``: (training problems, held-out problems)."""
+    m = config.max_operand
+    problems = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(m + 1) for b in range(m + 1)]
+    random.Random(config.seed).shuffle(problems)
+    return problems[config.held_out :], problems[: config.held_out]
 
 
 def warm_start(model, tok, prompts: list[dict], steps: int, *, lr: float = 3e-3) -> None:
@@ -72,36 +109,74 @@ def warm_start(model, tok, prompts: list[dict], steps: int, *, lr: float = 3e-3)
     model.eval()
 
 
-def build(config: DemoConfig):
-    """Model, env, collector, loss and optimizer of the demo."""
+@torch.no_grad()
+def accuracy(model, tok, problems: list[dict], max_new_tokens: int) -> float:
+    """Fraction of ``problems`` the model answers right with greedy decoding (the task's exact reward)."""
+    if not problems:
+        return float("nan")
+    prompts = [p["prompt"] for p in problems]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    return float(arithmetic_reward()(texts, prompts, problems).mean())
+
+
+def build(config: DemoConfig, train_problems: list[dict], *, show_bar: bool = False):
+    """Model, tokenizer, collector, loss and optimizer of the demo."""
     torch.manual_seed(config.seed)
     tok = tiny_tokenizer()
     model = tiny_model(tok, seed=config.seed)
-    prompts = arithmetic_prompts(64, seed=config.seed, max_operand=config.max_operand, ops="+")
-    warm_start(model, tok, prompts, config.warm_start_steps)
+    warm_start(model, tok, train_problems, config.warm_start_steps)
     ref = copy.deepcopy(model).eval()
-    env = TokenEnv(prompts, tok, MathAnswerReward(), batch_size=16, max_new_tokens=config.max_new_tokens, group_size=config.group_size,
-                   model_config=model.config, max_length=64, shuffle=True, seed=config.seed)  # fmt: skip
+    env = TokenEnv(train_problems, tok, arithmetic_reward(), batch_size=16, max_new_tokens=config.max_new_tokens,
+                   group_size=config.group_size, model_config=model.config, max_length=64, shuffle=True,
+                   seed=config.seed)  # fmt: skip
     policy = TransformersPolicy(model, env, sampling=SamplingConfig(temperature=1.0), seed=config.seed)
     kl = KLRewardTransform(controller=AdaptiveKLController(0.02, target=2.0, horizon=2000), ref_model=ref,
                            estimator="k3", pad_id=tok.pad_token_id)  # fmt: skip
     collector = TokenCollector(env, policy, mode="trajectories", batch_size=config.trajectories,
-                               total_steps=-1, postproc=kl, use_progress_bar=True)  # fmt: skip
+                               total_steps=-1, postproc=kl, use_progress_bar=show_bar)  # fmt: skip
     actor = SequenceActor(model, pad_token_id=tok.pad_token_id)
     loss = ClipPPOLoss(actor, critic_network=None, entropy_bonus=False, functional=False, clip_epsilon=0.2)
     optim = torch.optim.Adam(model.parameters(), lr=config.lr)
-    return model, collector, loss, optim, GroupAdvantage("grpo")
+    return model, tok, collector, loss, optim
 
 
-def train(config: DemoConfig, *, log=None) -> list[dict]:
-    """Run the demo; returns one row of metrics per iteration."""
+def _print_flush(line: str) -> None:
+    """``print`` that flushes, so ``make demo > log`` shows each line as it comes."""
+    print(line, flush=True)
+
+
+_HEADER = f"{'iter':>4} {'reward':>7} {'kl':>7} {'beta':>7} {'tok/s':>7} {'loss':>8} {'acc_train':>9} {'acc_held':>9}"
+
+
+def train(config: DemoConfig, *, log=None) -> tuple[list[dict], list[dict]]:
+    """Run the demo; returns one row of metrics per iteration and one row per evaluation.
+
+    ``log`` prints the table; by default ``print`` when stdout is not a terminal (a log file stays
+    line by line, with no progress bar), else ``tqdm.write`` above a bar on stderr.
+    """
+    is_tty = sys.stdout.isatty() and sys.stderr.isatty()
     if log is None:
-        from tqdm.auto import tqdm
+        if is_tty:
+            from tqdm.auto import tqdm
 
-        log = tqdm.write  # rows print above the progress bar
-    model, collector, loss, optim, advantage = build(config)
+            log = tqdm.write
+        else:
+            log = _print_flush
+    train_problems, held_out = split_problems(config)
+    model, tok, collector, loss, optim = build(config, train_problems, show_bar=is_tty)
+    advantage = GroupAdvantage("grpo")
+    evals: list[dict] = []
+
+    def evaluate(i: int) -> dict:
+        evals.append({"iter": i, "train": accuracy(model, tok, train_problems, config.max_new_tokens),
+                      "held_out": accuracy(model, tok, held_out, config.max_new_tokens)})  # fmt: skip
+        return evals[-1]
+
+    evaluate(-1)  # after the warm start, before RL
     rows: list[dict] = []
-    log(f"{'iter':>4} {'reward':>7} {'correct':>7} {'kl':>7} {'beta':>7} {'tok/s':>7} {'loss':>8}")
+    log(_HEADER)
     for i, batch in enumerate(collector):
         batch = advantage(batch)
         model.train()
@@ -114,49 +189,67 @@ def train(config: DemoConfig, *, log=None) -> list[dict]:
         model.eval()
         collector.update_policy_weights_()
         m = collector.metrics
-        correct = float((batch.get(keys.REWARD_RAW).squeeze(-1).sum(-1) >= 1.0).float().mean())
-        rows.append({"iter": i, "reward": m["mean_reward"], "correct": correct, "kl": m.get("kl", float("nan")),
+        rows.append({"iter": i, "reward": m["mean_reward"], "kl": m.get("kl", float("nan")),
                      "beta": m.get("beta", float("nan")), "tokens_per_s": m["tokens_per_s"],
                      "loss": float(out["loss_objective"].detach())})  # fmt: skip
+        is_last = i + 1 >= config.iterations
+        e = evaluate(i) if (i + 1) % config.eval_every == 0 or is_last else None
         r = rows[-1]
-        log(f"{i:>4} {r['reward']:>7.3f} {r['correct']:>7.3f} {r['kl']:>7.3f} {r['beta']:>7.4f} "
-            f"{r['tokens_per_s']:>7.0f} {r['loss']:>8.4f}")  # fmt: skip
-        if i + 1 >= config.iterations:
+        acc = f"{e['train']:>9.3f} {e['held_out']:>9.3f}" if e else f"{'':>9} {'':>9}"
+        log(f"{i:>4} {r['reward']:>7.3f} {r['kl']:>7.3f} {r['beta']:>7.4f} {r['tokens_per_s']:>7.0f} "
+            f"{r['loss']:>8.4f} {acc}".rstrip())  # fmt: skip
+        if is_last:
             break
-    return rows
+    return rows, evals
 
 
-def plot(rows: list[dict], path: str) -> str:
-    """Save the reward curve to ``path`` (PNG) and return it."""
+def plot(rows: list[dict], evals: list[dict], path: str, *, held_out: int) -> str:
+    """Save the training reward and the greedy accuracy curves to ``path`` (PNG) and return it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["iter"] for r in rows], [r["reward"] for r in rows], label="mean reward")
-    ax.plot([r["iter"] for r in rows], [r["correct"] for r in rows], label="fraction correct")
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    ax.plot([r["iter"] for r in rows], [r["reward"] for r in rows], alpha=0.5,
+            label="mean reward, training prompts (sampled)")  # fmt: skip
+    x = [e["iter"] + 1 for e in evals]  # evaluated after that many iterations
+    ax.plot(x, [e["train"] for e in evals], "o-", label="accuracy, training prompts (greedy)")
+    ax.plot(x, [e["held_out"] for e in evals], "s-", label=f"accuracy, {held_out} held-out prompts (greedy)")
     ax.set_xlabel("iteration")
-    ax.set_title("tokengym demo: GRPO on arithmetic (tiny Qwen2, CPU)")
-    ax.legend()
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("tokengym demo: GRPO on a+b= (tiny Qwen2, CPU)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
 
 
-def main(config: DemoConfig | None = None) -> list[dict]:
-    """Train, print the table and the before/after rewards, save the curve."""
-    config = config or DemoConfig()
-    torch.set_num_threads(1)
-    start = time.perf_counter()
-    rows = train(config)
+def summary(rows: list[dict], evals: list[dict], config: DemoConfig, seconds: float) -> list[str]:
+    """The closing lines: mean training reward first -> last iterations, greedy accuracy start -> end."""
     k = max(1, min(10, len(rows) // 5))
     first = sum(r["reward"] for r in rows[:k]) / k
     last = sum(r["reward"] for r in rows[-k:]) / k
+    n_train = (config.max_operand + 1) ** 2 - config.held_out
+    start, end = evals[0], evals[-1]
+    return [
+        f"mean reward (training prompts, sampled): first {k} iterations {first:.3f} -> last {k} iterations {last:.3f}",
+        f"greedy accuracy: training prompts ({n_train}) {start['train']:.3f} -> {end['train']:.3f}, "
+        f"held-out prompts ({config.held_out}) {start['held_out']:.3f} -> {end['held_out']:.3f} "
+        f"({len(rows)} iterations, {seconds:.0f} s)",
+    ]
+
+
+def main(config: DemoConfig | None = None) -> tuple[list[dict], list[dict]]:
+    """Train, print the table and the before/after numbers, save the curves."""
+    config = config or DemoConfig()
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    rows, evals = train(config)
     os.makedirs(config.out_dir, exist_ok=True)
-    path = plot(rows, os.path.join(config.out_dir, "reward_curve.png"))
-    print(f"mean reward: first {k} iterations {first:.3f} -> last {k} iterations {last:.3f} "
-          f"({time.perf_counter() - start:.0f} s)")  # fmt: skip
-    print(f"reward curve: {os.path.abspath(path)}")
-    return rows
+    path = plot(rows, evals, os.path.join(config.out_dir, "reward_curve.png"), held_out=config.held_out)
+    for line in summary(rows, evals, config, time.perf_counter() - start):
+        print(line, flush=True)
+    print(f"reward curve: {os.path.abspath(path)}", flush=True)
+    return rows, evals

@@ -1,4 +1,8 @@
-"""Arithmetic task: ``"12+7="`` -> ``"19"``, checked by :class:`~tokengym.llm_envs.rewards.MathAnswerReward`."""
+"""Arithmetic task: ``"12+7="`` -> ``"19"``, checked by :class:`~tokengym.llm_envs.rewards.MathAnswerReward`.
+
+The answer must be a number: the reward uses the exact verifier, so echoing the problem (``"12+7"``),
+which math-verify would evaluate to the right value, earns nothing.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import random
 
 from tokengym.llm_envs.rewards import MathAnswerReward
 from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env
-from tokengym.llm_envs.token_env import TokenEnv
+from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 
 __all__ = ["arithmetic_prompts", "arithmetic_reward", "make_arithmetic_env"]
 
@@ -43,8 +47,13 @@ def arithmetic_prompts(n: int, *, seed: int = 0, max_operand: int = 20, ops: str
 
 
 def arithmetic_reward(*, correct: float = 1.0, wrong: float = 0.0) -> MathAnswerReward:
-    """The arithmetic task's reward: exact match of the response's last number (or ``\\boxed{}``)."""
-    return MathAnswerReward("answer", correct=correct, wrong=wrong)
+    """The arithmetic task's reward: exact match of the response's last number (or ``\\boxed{}``).
+
+    Example:
+        >>> arithmetic_reward()(["19", "12+7", "\\\\boxed{19}"], [""] * 3, [{"answer": "19"}] * 3)
+        tensor([1., 0., 1.])
+    """
+    return MathAnswerReward("answer", correct=correct, wrong=wrong, verifier="exact")
 
 
 def make_arithmetic_env(
@@ -56,6 +65,7 @@ def make_arithmetic_env(
     seed: int = 0,
     max_operand: int = 20,
     ops: str = "+-",
+    reward_fn: RewardFn | None = None,
     **env_kwargs,
 ) -> TokenEnv:
     """A :class:`TokenEnv` over ``n_prompts`` arithmetic problems with :func:`arithmetic_reward`.
@@ -68,6 +78,7 @@ def make_arithmetic_env(
         seed: seed of the problems (and of the prompt order if ``shuffle=True``).
         max_operand: largest operand.
         ops: operators drawn from ``"+-*"``.
+        reward_fn: replaces :func:`arithmetic_reward` (it gets the problems' ``answer`` in the metadata).
         **env_kwargs: forwarded to :class:`TokenEnv` (``max_length`` defaults to 256).
 
     Example:
@@ -85,7 +96,7 @@ def make_arithmetic_env(
     prompts = arithmetic_prompts(n_prompts, seed=seed, max_operand=max_operand, ops=ops)
     return make_task_env(
         prompts,
-        arithmetic_reward(),
+        arithmetic_reward() if reward_fn is None else reward_fn,
         tokenizer=tokenizer,
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,

@@ -6,20 +6,24 @@ import ast
 import math
 import operator
 import random
+import re
 from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
 
 import torch
 
-from tokengym.llm_envs.rewards import _last_boxed
+from tokengym.llm_envs.rewards import last_boxed
 from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env
-from tokengym.llm_envs.token_env import TokenEnv
+from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 
 __all__ = ["CountdownReward", "countdown_prompts", "evaluate_expression", "make_countdown_env"]
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 _MAX_EXPRESSION_CHARS = 200  # bounds parsing work on a runaway response
+# only digits, + - * / ( ) and spaces reach ast.parse: model output such as "3and 4" would make
+# Python's tokenizer emit a SyntaxWarning ("invalid decimal literal") on every scored response
+_EXPRESSION_CHARS = re.compile(r"[\d+\-*/()\s]*")
 
 
 def countdown_prompts(n: int, *, seed: int = 0, n_numbers: int = 3, max_number: int = 10) -> list[dict]:
@@ -75,7 +79,7 @@ def evaluate_expression(expression: str, numbers: Sequence[int]) -> Fraction | N
         >>> evaluate_expression("(2+3)*4", [2, 3, 4]), evaluate_expression("2*2", [2, 3])
         (Fraction(20, 1), None)
     """
-    if len(expression) > _MAX_EXPRESSION_CHARS:
+    if len(expression) > _MAX_EXPRESSION_CHARS or not _EXPRESSION_CHARS.fullmatch(expression):
         return None
     try:
         tree = ast.parse(expression.strip(), mode="eval")
@@ -90,7 +94,7 @@ def evaluate_expression(expression: str, numbers: Sequence[int]) -> Fraction | N
 
 def _expression(response: str) -> str:
     """The expression a response proposes: its ``\\boxed{}``, else its first line, cut at ``=``."""
-    text = _last_boxed(response)
+    text = last_boxed(response)
     if text is None:
         lines = response.strip().splitlines()
         text = lines[0] if lines else ""
@@ -142,6 +146,7 @@ def make_countdown_env(
     seed: int = 0,
     n_numbers: int = 3,
     max_number: int = 10,
+    reward_fn: RewardFn | None = None,
     **env_kwargs,
 ) -> TokenEnv:
     """A :class:`TokenEnv` over ``n_prompts`` countdown puzzles with :class:`CountdownReward`.
@@ -154,6 +159,8 @@ def make_countdown_env(
         seed: seed of the puzzles (and of the prompt order if ``shuffle=True``).
         n_numbers: numbers per puzzle.
         max_number: largest number.
+        reward_fn: replaces :class:`CountdownReward` (it gets the puzzles' ``numbers`` and ``target``
+            in the metadata).
         **env_kwargs: forwarded to :class:`TokenEnv` (``max_length`` defaults to 256).
 
     Example:
@@ -163,7 +170,7 @@ def make_countdown_env(
     prompts = countdown_prompts(n_prompts, seed=seed, n_numbers=n_numbers, max_number=max_number)
     return make_task_env(
         prompts,
-        CountdownReward(),
+        CountdownReward() if reward_fn is None else reward_fn,
         tokenizer=tokenizer,
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,

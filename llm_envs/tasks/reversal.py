@@ -8,7 +8,7 @@ import string
 import torch
 
 from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env
-from tokengym.llm_envs.token_env import TokenEnv
+from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 
 __all__ = ["ReversalReward", "make_reversal_env", "reversal_prompts"]
 
@@ -87,6 +87,7 @@ def make_reversal_env(
     n_prompts: int = 1000,
     seed: int = 0,
     partial_credit: bool = False,
+    reward_fn: RewardFn | None = None,
     **env_kwargs,
 ) -> TokenEnv:
     """A :class:`TokenEnv` over ``n_prompts`` words to reverse, with :class:`ReversalReward`.
@@ -98,6 +99,7 @@ def make_reversal_env(
         n_prompts: number of words generated.
         seed: seed of the words (and of the prompt order if ``shuffle=True``).
         partial_credit: see :class:`ReversalReward`.
+        reward_fn: replaces :class:`ReversalReward` (it gets the words' ``answer`` in the metadata).
         **env_kwargs: forwarded to :class:`TokenEnv` (``max_length`` defaults to 256).
 
     Example:
@@ -106,7 +108,7 @@ def make_reversal_env(
     """
     return make_task_env(
         reversal_prompts(n_prompts, seed=seed),
-        ReversalReward(partial_credit=partial_credit),
+        ReversalReward(partial_credit=partial_credit) if reward_fn is None else reward_fn,
         tokenizer=tokenizer,
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,

@@ -45,12 +45,96 @@ def test_normalize_answer(raw, expected):
     assert normalize_answer(raw) == expected
 
 
-def test_math_answer_reward():
-    reward = MathAnswerReward(correct=2.0, wrong=-1.0)
-    meta = [{"answer": "19"}, {"answer": 19}, {"answer": "19.0"}, {"answer": "19"}, {"answer": "19"}]
-    out = reward(["\\boxed{19}", "19", "it's +19", "\\boxed{20} 19", "nothing"], [""] * 5, meta)
-    assert out.dtype == torch.float32
-    assert out.tolist() == [2.0, 2.0, 2.0, -1.0, -1.0]
+# (reference answer, response, is correct): the cases first, then realistic model outputs
+MATH_CASES = [
+    (r"\frac{1}{2}", "0.5", True),
+    ("0.5", "The answer is 0.50", True),
+    ("1000", r"\boxed{10^{3}}", True),
+    ("B", r"The answer is \boxed{\text{(B)}}", True),
+    ("4", r"\boxed{x=4}", True),
+    (r"4\%", r"The answer is $4\%$", True),
+    ("5", "The answer is 5. Check: 5+2=7", True),
+    ("19", "19", True),
+    ("19", r"so it is \boxed{19}", True),
+    ("19", "+19", True),
+    ("1234", "The total is 1,234 apples.", True),
+    ("-7", "The answer is $-7$.", True),
+    (r"\frac{\sqrt{2}}{2}", r"\boxed{\frac{1}{\sqrt{2}}}", True),
+    (r"3\pi", r"\boxed{3\pi}", True),
+    ("x^2+2x+1", r"\boxed{(x+1)^2}", True),
+    (r"\frac{3}{4}", r"\boxed{0.75}", True),
+    ("12", "Step 1: 3*4 = 12\n\nFinal answer: \\boxed{12}", True),
+    ("25", r"The final answer is $\boxed{25}$. I hope it is correct.", True),
+    (r"\{1,2,3\}", r"\boxed{\{3,2,1\}}", True),
+    (r"90^\circ", r"\boxed{90}", True),
+    (r"\dfrac{7}{3}", r"\boxed{\frac{7}{3}}", True),
+    ("(1, 2)", r"\boxed{(1,2)}", True),
+    ("19", "20", False),
+    ("19", r"\boxed{20} and 19", False),
+    ("0.5", r"\boxed{\frac{1}{3}}", False),
+    ("4", "x=5", False),
+    ("5", "no answer here", False),
+    ("B", r"\boxed{C}", False),
+    ("12", "", False),
+    ("5", "x = 5 and y = 7", False),
+    ("1000", r"\boxed{10^{4}}", False),
+]
+
+
+@pytest.fixture(scope="module")
+def math_reward():
+    return MathAnswerReward(correct=2.0, wrong=-1.0)
+
+
+@pytest.mark.parametrize("answer, response, expected", MATH_CASES)
+def test_math_answer_reward_cases(math_reward, answer, response, expected):
+    assert math_reward.is_correct(response, answer) is expected
+    out = math_reward([response], [""], [{"answer": answer}])
+    assert out.dtype == torch.float32 and out.tolist() == [2.0 if expected else -1.0]
+
+
+def test_math_answer_reward_scores_the_whole_table(math_reward):
+    answers, responses, expected = zip(*MATH_CASES, strict=True)
+    out = math_reward(list(responses), [""] * len(answers), [{"answer": a} for a in answers])
+    assert out.tolist() == [2.0 if e else -1.0 for e in expected]
+    old = MathAnswerReward(verifier="exact")(list(responses), [""] * len(answers), [{"answer": a} for a in answers])
+    assert int(old.sum()) < sum(expected)  # the regex verifier misses cases math-verify gets
+
+
+@pytest.mark.parametrize(
+    "answer, response",
+    [("19", r) for r in ["19", " 19 ", "19.", "\\boxed{19}", "$19$", "019", "20", "-19", "", "no answer", "\\boxed{x}"]]
+    + [("0", "-0"), (19, "19"), ("-3", "-3")],
+)
+def test_fast_path_agrees_with_math_verify(answer, response):
+    from math_verify import parse, verify
+
+    assert MathAnswerReward().is_correct(response, answer) is verify(parse(f"${answer}$"), parse(response))
+
+
+def test_math_answer_reward_integer_types_and_floats():
+    reward = MathAnswerReward()
+    meta = [{"answer": 19}, {"answer": "19.0"}, {"answer": 0.5}, {"answer": "-0"}]
+    assert _call(reward, ["19", "\\boxed{19}", "1/2", "0"], meta) == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_math_answer_reward_off_the_main_thread():
+    # math-verify's timeout uses signal.alarm, which raises off the main thread; it must still score
+    import threading
+
+    got = []
+    thread = threading.Thread(target=lambda: got.append(MathAnswerReward().is_correct("\\boxed{0.5}", "\\frac{1}{2}")))
+    thread.start()
+    thread.join()
+    assert got == [True]
+
+
+def test_exact_verifier():
+    reward = MathAnswerReward(correct=2.0, wrong=-1.0, verifier="exact")
+    meta = [{"answer": "19"}, {"answer": 19}, {"answer": "19.0"}, {"answer": "19"}, {"answer": "19"}, {"answer": 7}]
+    out = reward(["\\boxed{19}", "19", "it's +19", "\\boxed{20} 19", "nothing", "3+4"], [""] * 6, meta)
+    assert out.tolist() == [2.0, 2.0, 2.0, -1.0, -1.0, -1.0]
+    assert MathAnswerReward().is_correct("3+4", 7)  # math-verify evaluates expressions; exact does not
 
 
 def test_math_answer_reward_custom_key_and_missing_key():
@@ -69,6 +153,8 @@ def test_math_answer_reward_custom_key_and_missing_key():
         ({"correct": "1"}, TypeError, "correct must be a finite number, got '1'"),
         ({"wrong": float("nan")}, TypeError, "wrong must be a finite number, got nan"),
         ({"correct": True}, TypeError, "correct must be a finite number"),
+        ({"verifier": "sympy"}, ValueError, r"verifier must be one of \('math_verify', 'exact'\), got 'sympy'"),
+        ({"timeout_s": 0.5}, ValueError, "timeout_s must be an int >= 1"),
     ],
 )
 def test_math_answer_reward_bad_args(kwargs, error, match):

@@ -1,6 +1,7 @@
 """Tests of llm_envs/tasks: prompt generators, task rewards, env constructors, prompt files."""
 
 import json
+import warnings
 from fractions import Fraction
 
 import datasets
@@ -68,6 +69,27 @@ def test_task_env_steps_with_random_actions(task):
     assert rollout.get(keys.REWARD).dtype == torch.float32
 
 
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_task_env_takes_a_reward_fn(task):
+    seen = []
+
+    def says_hello(responses, prompts, metadata):
+        seen.extend(metadata)
+        return [float(r == "hello") for r in responses]
+
+    env = TASKS[task][1](batch_size=1, n_prompts=3, max_new_tokens=8, reward_fn=says_hello)
+    assert _play(env, "hello") == 1.0
+    assert _play(env, env.source.prompts[1]["answer"]) == 0.0  # the task's own reward is replaced
+    assert [m["answer"] for m in seen] == [p["answer"] for p in env.source.prompts[:2]]
+
+
+def test_arithmetic_reward_wants_a_number():
+    from tokengym.llm_envs.tasks import arithmetic_reward
+
+    meta = [{"answer": "19"}] * 4
+    assert arithmetic_reward()(["19", "12+7", "\\boxed{19}", "19.0"], [""] * 4, meta).tolist() == [1, 0, 1, 1]
+
+
 def test_make_env_forwards_kwargs(tokenizer):
     env = make_arithmetic_env(
         tokenizer=tokenizer, batch_size=2, max_new_tokens=5, max_length=64, group_size=2
@@ -122,6 +144,17 @@ def test_countdown_answers_are_solutions():
 )
 def test_evaluate_expression(expression, numbers, expected):
     assert evaluate_expression(expression, numbers) == expected
+
+
+def test_countdown_scores_model_output_without_warnings():
+    # "3and 4" used to reach ast.parse, whose tokenizer warns "invalid decimal literal" on every call
+    noisy = ["3and 4", "2x+3", "1if 2 else 3", "0x1f", "1e5", "1_0+2", "\\boxed{3 4}", "3 + 4 is 7", "3 + 4 = 7", "(3+4)"]
+    meta = [{"numbers": [3, 4], "target": 7}] * len(noisy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = CountdownReward()(noisy, [""] * len(noisy), meta)
+    assert [str(w.message) for w in caught] == []
+    assert out.tolist() == [0.0] * 8 + [1.0, 1.0]
 
 
 def test_countdown_reward():
