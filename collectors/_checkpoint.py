@@ -16,19 +16,20 @@ __all__ = ["collector_state", "load_collector_state"]
 def collector_state(collector, *, include_cache: bool = True) -> dict:
     """Env, policy (RNG, version, cache unless ``include_cache`` is False), source, recorder, prompts."""
     policy = collector.policy.state_dict() if include_cache else collector.policy.state_dict(include_cache=False)
-    return copy.deepcopy({
+    # every part is already a copy (the env, policy, source and recorder clone what they hand out)
+    return {
         "env": collector.base_env.state_dict(),
         "policy": policy,
         "source": collector.source.state_dict(),
         "recorder": collector.recorder.state_dict(),
-        "pending": collector.pending,
+        "pending": None if collector.pending is None else {k: v.clone() for k, v in collector.pending.items()},
         "steps_done": collector.steps_done,
         "is_started": collector.is_started,
-        "prompts": collector.prompts.state_dict(),
+        "prompts": copy.deepcopy(collector.prompts.state_dict()),
         "counters": dict(collector.counters),
         "mode": collector.mode.value,
         "source_kind": collector.source.kind.value,
-    })  # fmt: skip
+    }  # fmt: skip
 
 
 def load_collector_state(collector, state: dict) -> None:

@@ -115,6 +115,7 @@ class TokenCollector:
         self._lock = threading.Lock()
         self._queued_weights: list = []  # weight updates asked for while collecting (another thread)
         self._collect_thread: int | None = None  # the thread iterating this collector
+        self.num_threads = torch.get_num_threads()
         self.counters = {"dropped_tokens": 0, "weight_updates": 0}
         self.recorder = self.new_recorder()
 
@@ -198,8 +199,13 @@ class TokenCollector:
 
     # -- iteration --
     def __iter__(self) -> Iterator[TensorDictBase | None]:
+        self._collect_thread = threading.get_ident()  # claimed at iter(), before the first batch starts
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[TensorDictBase | None]:
+        # OpenMP's thread count is per thread: a collector iterated in another thread keeps its builder's
+        torch.set_num_threads(self.num_threads)
         bar = self._progress_bar()
-        self._collect_thread = threading.get_ident()
         while (batch := self._next_batch()) is not None:
             if bar is not None:
                 bar.update(self.metrics["tokens"])

@@ -5,9 +5,11 @@ The top level holds what a quickstart types; everything else is importable from 
 """
 
 from tokengym.collectors import (
+    AsyncCollector,
     CollectMode,
     PaddedSequenceActor,
     PolicyWithReference,
+    RayTokenCollector,
     SamplingConfig,
     SequenceActor,
     StepwiseReference,
@@ -35,6 +37,7 @@ from tokengym.transforms import (
 __version__ = "0.1.0"
 __all__ = [
     "AdaptiveKLController",
+    "AsyncCollector",
     "CollectMode",
     "GAEAdvantage",
     "GroupAdvantage",
@@ -44,6 +47,7 @@ __all__ = [
     "PaddedSequenceActor",
     "PolicyWithReference",
     "PromptSource",
+    "RayTokenCollector",
     "SamplingConfig",
     "SequenceActor",
     "StepwiseReference",

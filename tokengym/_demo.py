@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import random
 import sys
@@ -20,6 +21,7 @@ import torch
 from torchrl.objectives import ClipPPOLoss
 
 from tokengym.collectors import SamplingConfig, SequenceActor, TokenCollector, TransformersPolicy
+from tokengym.collectors.async_collector import AsyncCollector
 from tokengym.llm_envs import TokenEnv
 from tokengym.llm_envs.tasks import arithmetic_reward
 from tokengym.testing import tiny_model, tiny_tokenizer
@@ -51,6 +53,10 @@ class DemoConfig:
     addition by RL alone in minutes (it learns the format only), so RL starts from a partial solver."""
     seed: int = 0
     """Seed of the model init, the held-out split, prompt order and sampling."""
+    workers: int = 0
+    """Ray rollout workers (pip install 'tokengym[ray]'); 0 collects in this process."""
+    async_: bool = False
+    """Collect the next batch while training on this one (AsyncCollector, max_staleness=1)."""
     out_dir: str = "demo_out"
     """Where the reward curve PNG goes."""
 
@@ -59,7 +65,7 @@ class DemoConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("held_out", "warm_start_steps", "seed"):
+        for name in ("held_out", "warm_start_steps", "seed", "workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -142,6 +148,37 @@ def build(config: DemoConfig, train_problems: list[dict], *, show_bar: bool = Fa
     return model, tok, collector, loss, optim
 
 
+def _env_on_worker(config: DemoConfig, problems: list[dict]) -> TokenEnv:
+    """The env of :func:`build`, built on a Ray worker."""
+    return TokenEnv(problems, tiny_tokenizer(), arithmetic_reward(), batch_size=16, max_new_tokens=config.max_new_tokens,
+                    group_size=config.group_size, max_length=64, shuffle=True, seed=config.seed)  # fmt: skip
+
+
+def _policy_on_worker(env, config: DemoConfig, weights: dict) -> TransformersPolicy:
+    model = tiny_model(env.tokenizer, seed=config.seed)
+    model.load_state_dict(weights)
+    return TransformersPolicy(model, env, sampling=SamplingConfig(temperature=1.0), seed=config.seed)
+
+
+def scale_out(config: DemoConfig, model, collector: TokenCollector, problems: list[dict]):
+    """The collector of ``--workers N`` (Ray) and ``--async`` (overlapped with training); the collector
+    then holds its own copy of the weights, so the trainer publishes them after each phase."""
+    if config.workers:
+        from tokengym.collectors.ray_collector import RayTokenCollector
+
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        collector = RayTokenCollector(functools.partial(_env_on_worker, config, problems),
+                                      functools.partial(_policy_on_worker, config=config, weights=weights),
+                                      num_workers=config.workers, mode="trajectories", batch_size=config.trajectories,
+                                      postproc=collector.postproc, seed=config.seed)  # fmt: skip
+    elif config.async_:
+        policy = TransformersPolicy(copy.deepcopy(model), collector.env, sampling=SamplingConfig(temperature=1.0),
+                                    seed=config.seed)  # fmt: skip
+        collector = TokenCollector(collector.env, policy, mode="trajectories", batch_size=config.trajectories,
+                                   postproc=collector.postproc)  # fmt: skip
+    return AsyncCollector(collector, max_staleness=1) if config.async_ else collector
+
+
 def _print_flush(line: str) -> None:
     """``print`` that flushes, so ``make demo > log`` shows each line as it comes."""
     print(line, flush=True)
@@ -166,6 +203,9 @@ def train(config: DemoConfig, *, log=None) -> tuple[list[dict], list[dict]]:
             log = _print_flush
     train_problems, held_out = split_problems(config)
     model, tok, collector, loss, optim = build(config, train_problems, show_bar=is_tty)
+    is_scaled = bool(config.workers or config.async_)
+    if is_scaled:
+        collector = scale_out(config, model, collector, train_problems)
     advantage = GroupAdvantage("grpo")
     evals: list[dict] = []
 
@@ -187,7 +227,10 @@ def train(config: DemoConfig, *, log=None) -> tuple[list[dict], list[dict]]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optim.step()
         model.eval()
-        collector.update_policy_weights_()
+        if is_scaled:
+            collector.update_policy_weights_(model.state_dict())
+        else:
+            collector.update_policy_weights_()  # the policy's model was trained in place
         m = collector.metrics
         rows.append({"iter": i, "reward": m["mean_reward"], "kl": m.get("kl", float("nan")),
                      "beta": m.get("beta", float("nan")), "tokens_per_s": m["tokens_per_s"],
@@ -200,6 +243,7 @@ def train(config: DemoConfig, *, log=None) -> tuple[list[dict], list[dict]]:
             f"{r['loss']:>8.4f} {acc}".rstrip())  # fmt: skip
         if is_last:
             break
+    collector.shutdown()
     return rows, evals
 
 

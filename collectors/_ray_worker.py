@@ -1,0 +1,236 @@
+"""One Ray rollout worker: an ordinary TokenCollector on its own shard of the prompt stream.
+
+Plain Python (no Ray import): :mod:`tokengym.collectors.ray_collector` makes :class:`CollectorWorker`
+an actor and sends ``next_batch`` / ``state_dict`` / ``load_state_dict`` / ``set_seed`` to its
+single-thread ``collect`` concurrency group.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from tokengym.collectors.token_collector import TokenCollector
+from tokengym.llm_envs import keys
+
+__all__ = ["CollectorWorker", "PackedState", "WorkerSpec", "pack_weights", "unpack_state", "unpack_weights", "worker_seeds"]
+
+
+def worker_seeds(seed: int, num_workers: int) -> list[int]:
+    """Independent sampling seeds of ``num_workers`` workers, derived from one collector seed.
+
+    Example:
+        >>> worker_seeds(0, 2) == worker_seeds(0, 2), len(set(worker_seeds(0, 4)))
+        (True, 4)
+    """
+    return [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(num_workers)]
+
+
+def pack_weights(weights) -> dict[str, tuple[np.ndarray, str, tuple[int, ...]]]:
+    """A state_dict (or TensorDict of weights) as uint8 NumPy views: Ray moves them without pickling,
+    and a worker reads them straight from the object store (zero-copy, read-only)."""
+    if isinstance(weights, TensorDictBase):
+        weights = dict(weights.flatten_keys(".").items())
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights must be a state_dict (a mapping of tensors) or a TensorDict, got {type(weights).__name__}")
+    out = {}
+    for name, value in weights.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"weights[{name!r}] is a {type(value).__name__}; every weight must be a tensor")
+        t = value.detach().cpu().contiguous()
+        out[name] = (t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape))
+    return out
+
+
+def unpack_weights(packed: Mapping) -> dict[str, torch.Tensor]:
+    """Tensors over the arrays of :func:`pack_weights` (read-only memory: loading copies them)."""
+    out = {}
+    with warnings.catch_warnings():  # object-store memory is read-only; load_state_dict copies it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, (data, dtype, shape) in packed.items():
+            out[name] = torch.from_numpy(data).view(getattr(torch, dtype)).reshape(shape)
+    return out
+
+
+class PackedState:
+    """A collector checkpoint whose tensors share one byte buffer: Ray moves it as one array, where the
+    plain state (hundreds of small tensors: queued trajectories, caches) costs a pickle call each."""
+
+    def __init__(self, state) -> None:
+        tensors: list[torch.Tensor] = []
+        self.tree = _strip(state, tensors)
+        self.specs = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors]
+        flat = [t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        self.buffer = (torch.cat(flat) if flat else torch.zeros(0, dtype=torch.uint8)).numpy()
+
+    def unpack(self):
+        """The state, its tensors copied out of the buffer."""
+        data = torch.from_numpy(self.buffer.copy())  # the buffer may be read-only object-store memory
+        tensors, offset = [], 0
+        for dtype, shape in self.specs:
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            n = t.numel() * t.element_size()
+            t.reshape(-1).view(torch.uint8).copy_(data[offset : offset + n])
+            tensors.append(t)
+            offset += n
+        return _fill(self.tree, tensors)
+
+
+class _Slot:
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _strip(x, tensors: list):
+    if isinstance(x, torch.Tensor):
+        tensors.append(x)
+        return _Slot(len(tensors) - 1)
+    if isinstance(x, TensorDictBase):
+        return x.consolidate()
+    if type(x) is dict:
+        return {k: _strip(v, tensors) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(_strip(v, tensors) for v in x)
+    return x
+
+
+def _fill(x, tensors: list):
+    if isinstance(x, _Slot):
+        return tensors[x.index]
+    if type(x) is dict:
+        return {k: _fill(v, tensors) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(_fill(v, tensors) for v in x)
+    return x
+
+
+def unpack_state(state):
+    """A plain collector state from a :class:`PackedState` (or a plain one, as is)."""
+    return state.unpack() if isinstance(state, PackedState) else state
+
+
+class WorkerSpec:
+    """What every worker is built from (picklable: it crosses to the worker processes)."""
+
+    def __init__(self, env_fn: Callable, policy_fn: Callable, collector_kwargs: dict, num_workers: int,
+                 num_threads: int) -> None:  # fmt: skip
+        self.env_fn, self.policy_fn, self.collector_kwargs = env_fn, policy_fn, collector_kwargs
+        self.num_workers, self.num_threads = num_workers, num_threads
+
+
+class CollectorWorker:
+    """A TokenCollector over shard ``index`` of the prompt stream, in a Ray actor.
+
+    Collection (and everything touching the collector's state) runs in the single-thread
+    ``collect`` group; weight updates arrive on another thread and are applied by the collector at
+    its next step boundary. Trajectory ids are made global: ``local * num_workers + index``.
+    """
+
+    def __init__(self, spec: WorkerSpec, index: int, seed: int, env_seed: int | None, weights, version: int,
+                 state) -> None:  # fmt: skip
+        torch.set_num_threads(spec.num_threads)
+        self.index, self.num_workers, self.num_threads = index, spec.num_workers, spec.num_threads
+        env = spec.env_fn()
+        base = getattr(env, "base_env", env)
+        base.source.shard(index, spec.num_workers)
+        policy = spec.policy_fn(env)
+        if hasattr(policy, "set_seed"):
+            policy.set_seed(seed)
+        self.collector = TokenCollector(env, policy, **spec.collector_kwargs)
+        self.iterator = None
+        self.lock = threading.Lock()  # an update is queued or applied, never half-way into a batch start
+        if env_seed is not None:
+            base.set_seed(env_seed)
+        if weights is not None:  # a restarted worker: the newest weights, then its checkpoint
+            self.collector.update_policy_weights_(unpack_weights(weights))
+        if state is not None:
+            self.collector.load_state_dict(unpack_state(state))
+        self._catch_up(version)
+        self.last_state = self.collector.state_dict()
+
+    def _catch_up(self, version: int) -> None:
+        """Bring the policy to ``version``: the model already holds the newest weights, so each missed
+        update only drops what was computed under older ones (cache, in-flight work per ``in_flight``)."""
+        while self.collector.policy.version < version:
+            self.collector.update_policy_weights_(None)
+
+    def next_batch(self):
+        """``((batch, metrics), state after it)``; ``(None, state)`` once this worker's budget or shard ends.
+
+        A failing batch (a reward function raising, say) rolls the worker back to the state after its
+        last batch and raises with the worker's index in the message.
+        """
+        # OpenMP's thread count is per thread: without this, torch in this (non-main) thread runs
+        # one OpenMP thread per core, many times slower when the cores are busy
+        torch.set_num_threads(self.num_threads)
+        try:
+            with self.lock:
+                if self.iterator is None:
+                    self.iterator = iter(self.collector)
+            batch = next(self.iterator, None)
+        except Exception as err:
+            self.iterator = None
+            version = self.collector.policy.version
+            self.collector.load_state_dict(self.last_state)
+            self._catch_up(version)
+            raise _with_worker(err, self.index, self.num_workers) from err
+        if batch is None:
+            return None, PackedState(self.last_state)
+        self.last_state = self.collector.state_dict()
+        return (self._globalize(batch).consolidate(), dict(self.collector.metrics)), PackedState(self.last_state)
+
+    def _globalize(self, batch: TensorDictBase) -> TensorDictBase:
+        n, i = self.num_workers, self.index
+        traj = batch.get(keys.TRAJ_ID)
+        batch.set(keys.TRAJ_ID, traj * n + i)
+        table = batch.get_non_tensor(keys.PROMPTS)
+        out = table.subset(table.group_ids())
+        for t in table.traj_ids():
+            out.add_sequence(t * n + i, table.sequence(t))
+        batch.set_non_tensor(keys.PROMPTS, out)
+        return batch
+
+    def update_policy_weights_(self, weights, version: int) -> int:
+        """Queue new weights (applied at the collector's next step boundary); returns the version they give."""
+        with self.lock:
+            expected = self.collector.update_policy_weights_(None if weights is None else unpack_weights(weights))
+        if expected != version:
+            raise RuntimeError(f"worker {self.index} would be at policy version {expected} after this update, "
+                               f"the driver at {version}")  # fmt: skip
+        return expected
+
+    def state_dict(self) -> PackedState:
+        return PackedState(self.last_state)
+
+    def load_state_dict(self, state, version: int) -> None:
+        self.iterator = None
+        self.collector.load_state_dict(unpack_state(state))
+        self._catch_up(version)
+        self.last_state = self.collector.state_dict()
+
+    def set_seed(self, env_seed: int, seed: int) -> None:
+        self.collector.base_env.set_seed(env_seed)
+        if hasattr(self.collector.policy, "set_seed"):
+            self.collector.policy.set_seed(seed)
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "version": int(self.collector.policy.version), "index": self.index}
+
+    def shutdown(self) -> None:
+        self.collector.shutdown()
+
+
+def _with_worker(err: Exception, index: int, num_workers: int) -> Exception:
+    """The same exception type, its message prefixed with the worker (ids in it are the worker's own)."""
+    note = (f"RayTokenCollector worker {index}: {err} (trajectory ids in this message are the worker's; "
+            f"in its batches they become id * {num_workers} + {index})")  # fmt: skip
+    try:
+        return type(err)(note)
+    except Exception:  # an exception type whose constructor wants more than a message
+        return RuntimeError(f"{type(err).__name__}: {note}")

@@ -1,0 +1,238 @@
+"""AsyncCollector: collection keeps running while the trainer trains, with a bound on policy staleness."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+from tensordict import TensorDictBase
+
+from tokengym.collectors.token_collector import CollectMode
+from tokengym.llm_envs import keys
+
+__all__ = ["AsyncCollector"]
+
+
+class AsyncCollector:
+    """Runs ``collector`` in a background thread so that generation overlaps training.
+
+    The trainer loop is unchanged: take a batch, train, publish the new weights with
+    :meth:`update_policy_weights_`. The weights reach the collector at its next env-step boundary
+    (a :class:`TokenCollector` in this process, or every worker of a :class:`RayTokenCollector`);
+    trajectories in flight then continue or restart, per the collector's ``in_flight`` option.
+
+    Staleness: the version of a token is the policy version it was sampled under; ``current`` is the
+    number of updates published. A yielded batch never holds a token older than
+    ``current - max_staleness``. Two rules keep it so:
+
+    1. **Wait.** Batch ``j`` (counting from 0) is started only once the trainer has asked for batch
+       ``j - max_staleness``, so the collector runs at most ``max_staleness`` batches ahead. A trainer
+       that publishes once per batch then never sees a token generated more than ``max_staleness``
+       updates ago; ``max_staleness=0`` is synchronous collection.
+    2. **Drop.** Work that is older anyway is dropped when the batch is handed out: a whole trajectory
+       (``TRAJECTORIES``) that was in flight across more updates, or, in ``STEPS`` mode, the stale steps
+       (masked out). It is counted in ``metrics["dropped_tokens"]`` (with the tokens the collector
+       itself dropped under ``in_flight="drop"``), so a ``TRAJECTORIES`` batch may hold fewer
+       trajectories than asked for. ``in_flight="drop"`` restarts in-flight trajectories at every
+       update, so nothing reaches the hand-out stale.
+
+    ``metrics`` adds ``staleness_mean`` / ``staleness_max`` (tokens yielded, against ``current``),
+    ``dropped_tokens`` (cumulative), ``collector_wait_s`` (the collector idle at the bound) and
+    ``trainer_wait_s`` (the trainer waiting for the batch) to the collector's metrics.
+
+    Args:
+        collector: a :class:`TokenCollector` (its policy must hold its own copy of the model: training
+            must not write into weights that are generating) or a :class:`RayTokenCollector`.
+        max_staleness: the bound ``k >= 0``.
+
+    Example:
+        >>> import copy
+        >>> from tokengym.llm_envs import TokenEnv
+        >>> from tokengym.collectors import TokenCollector, TransformersPolicy
+        >>> from tokengym.testing import tiny_tokenizer, tiny_model
+        >>> tok = tiny_tokenizer(); model = tiny_model(tok)
+        >>> env = TokenEnv(["1+1=", "2+3="], tok, batch_size=2, max_new_tokens=4, model_config=model.config)
+        >>> policy = TransformersPolicy(copy.deepcopy(model), env)  # the collector's own copy
+        >>> inner = TokenCollector(env, policy, mode="trajectories", batch_size=2, total_steps=40)
+        >>> with AsyncCollector(inner, max_staleness=1) as collector:
+        ...     for batch in collector:
+        ...         version = collector.update_policy_weights_(model.state_dict())  # after a train step
+        ...         assert collector.metrics["staleness_max"] <= 1
+        >>> version > 0
+        True
+    """
+
+    def __init__(self, collector, *, max_staleness: int = 1) -> None:
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0 (0: synchronous), got {max_staleness!r}")
+        if not callable(getattr(collector, "update_policy_weights_", None)) or not hasattr(collector, "__iter__"):
+            raise TypeError(f"collector must be a TokenCollector or a RayTokenCollector, got {type(collector).__name__}")
+        self.collector, self.max_staleness = collector, max_staleness
+        self.version = _version_of(collector)
+        self.metrics: dict = {}
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()  # (batch, collector metrics) collected ahead
+        self._requested = self._started = 0
+        self._thread: threading.Thread | None = None
+        self._is_done = self._is_stopping = self._is_paused = self._is_busy = False
+        self._error: BaseException | None = None
+        self.counters = {"dropped_tokens": 0, "collector_wait_s": 0.0, "trainer_wait_s": 0.0}
+
+    # -- the background thread --
+    def _produce(self) -> None:
+        # OpenMP's thread count is per thread: give this one the process's setting (a new thread would run
+        # one OpenMP thread per core, many times slower for small models on busy cores)
+        torch.set_num_threads(torch.get_num_threads())
+        try:
+            iterator = iter(self.collector)
+            while True:
+                with self._cond:
+                    waited = time.perf_counter()
+                    self._cond.wait_for(lambda: self._is_stopping or (
+                        not self._is_paused and self._started < self._requested + self.max_staleness))
+                    self.counters["collector_wait_s"] += time.perf_counter() - waited
+                    if self._is_stopping:
+                        return
+                    self._started, self._is_busy = self._started + 1, True
+                batch = next(iterator, None)
+                with self._cond:
+                    if batch is None:
+                        self._is_done = True
+                    else:
+                        self._queue.append((batch, dict(self.collector.metrics)))
+                    self._is_busy = False
+                    self._cond.notify_all()
+                if batch is None:
+                    return
+        except BaseException as err:  # surfaced to the trainer by the next next_batch()
+            with self._cond:
+                self._error, self._is_busy = err, False
+                self._cond.notify_all()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._produce, name="tokengym-async-collector", daemon=True)
+            self._thread.start()
+
+    # -- the trainer side --
+    def __iter__(self) -> Iterator[TensorDictBase]:
+        while (batch := self.next_batch()) is not None:
+            yield batch
+
+    def next_batch(self) -> TensorDictBase | None:
+        """The next batch (staleness-checked against the current version); ``None`` when collection ends."""
+        self._start()
+        start = time.perf_counter()
+        with self._cond:
+            self._requested += 1
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._queue or self._is_done or self._error is not None)
+            if not self._queue and self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            if not self._queue:
+                return None
+            batch, inner = self._queue.popleft()
+        self.counters["trainer_wait_s"] += time.perf_counter() - start
+        batch, dropped = self._drop_stale(batch)
+        self.counters["dropped_tokens"] += dropped
+        self._update_metrics(batch, inner)
+        return batch
+
+    def _drop_stale(self, batch: TensorDictBase) -> tuple[TensorDictBase, int]:
+        """Remove what is older than ``version - max_staleness``; returns the batch and the tokens dropped."""
+        mask = batch.get(keys.MASK)
+        version = batch.get(keys.POLICY_VERSION)
+        stale = mask & (version < self.version - self.max_staleness)
+        n = int(stale.sum())
+        if n == 0:
+            return batch, 0
+        if batch.batch_dims == 1 or self.collector.mode == CollectMode.TRAJECTORIES:  # whole trajectories go
+            keep = ~stale.reshape(batch.shape[0], -1).any(-1)
+            dropped = int(mask.reshape(batch.shape[0], -1)[~keep].sum())
+            out = batch.exclude(keys.PROMPTS)[keep]
+            out.set_non_tensor(keys.PROMPTS, batch.get_non_tensor(keys.PROMPTS))
+            return out, dropped
+        batch.set(keys.MASK, mask & ~stale)  # STEPS: a slot row holds several trajectories; mask the stale steps
+        return batch, n
+
+    def _update_metrics(self, batch: TensorDictBase, inner: dict) -> None:
+        mask = batch.get(keys.MASK)
+        lag = (self.version - batch.get(keys.POLICY_VERSION)[mask]).float()
+        self.metrics = dict(inner)
+        self.metrics.update(self.counters)
+        self.metrics.update(policy_version=self.version, tokens=int(mask.sum()),
+                            staleness_mean=float(lag.mean()) if lag.numel() else 0.0,
+                            staleness_max=float(lag.max()) if lag.numel() else 0.0,
+                            dropped_tokens=self.counters["dropped_tokens"] + int(inner.get("dropped_tokens", 0)))  # fmt: skip
+
+    def update_policy_weights_(self, policy_or_weights=None, *, weights=None) -> int:
+        """Publish new weights (a state_dict, a TensorDict of weights or the trained module); collection goes on
+        and switches at its next step boundary. They are copied now, so training may go on at once.
+        Returns the new version."""
+        weights = policy_or_weights if weights is None else weights
+        if isinstance(weights, torch.nn.Module):
+            weights = weights.state_dict()
+        if weights is None:
+            raise ValueError("AsyncCollector.update_policy_weights_ needs the new weights (a state_dict, a TensorDict "
+                             "or the trained module): the collector's policy holds its own copy of the model")  # fmt: skip
+        if isinstance(weights, TensorDictBase):
+            weights = weights.detach().clone()
+        else:
+            weights = {name: value.detach().clone() for name, value in weights.items()}
+        version = self.collector.update_policy_weights_(weights)
+        with self._cond:
+            self.version = version
+        return version
+
+    # -- lifecycle and checkpoints --
+    def shutdown(self) -> None:
+        """Stop the background thread (after the batch in progress) and shut the collector down."""
+        with self._cond:
+            self._is_stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        shutdown = getattr(self.collector, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+    def __enter__(self) -> AsyncCollector:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def state_dict(self) -> dict:
+        """The collector's state, the batches it collected ahead (handed out first on resume), the version and
+        the counters. Collection pauses at the end of the batch in progress while the state is taken."""
+        with self._cond:
+            self._is_paused = True
+            try:
+                self._cond.wait_for(lambda: not self._is_busy)
+                return {"collector": self.collector.state_dict(), "queued": [dict(b=b, metrics=m) for b, m in self._queue],
+                        "version": self.version, "counters": dict(self.counters)}  # fmt: skip
+            finally:
+                self._is_paused = False
+                self._cond.notify_all()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (before iterating)."""
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict must come before iterating an AsyncCollector; build a new one")
+        self.collector.load_state_dict(state["collector"])
+        self._queue = collections.deque((q["b"], q["metrics"]) for q in state["queued"])
+        self._started, self._requested = len(self._queue), 0
+        self.version = int(state["version"])
+        self.counters.update(state["counters"])
+
+
+def _version_of(collector) -> int:
+    version = getattr(collector, "version", None)  # RayTokenCollector
+    if version is None:
+        version = collector.policy.version  # TokenCollector
+    return int(version)
+

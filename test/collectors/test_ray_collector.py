@@ -1,0 +1,257 @@
+"""RayTokenCollector on one local Ray (started once for this module): sharding, weights, faults, checkpoints."""
+
+import functools
+import os
+import queue
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")  # the "ray" extra; `make test` installs it
+from ray import cloudpickle  # noqa: E402
+
+from tokengym.collectors import TokenCollector, TransformersPolicy  # noqa: E402
+from tokengym.collectors.async_collector import AsyncCollector  # noqa: E402
+from tokengym.collectors.ray_collector import RayConfig, RayTokenCollector, cat_batches, worker_seeds  # noqa: E402
+from tokengym.llm_envs import PromptSource, RewardFunctionError, TokenEnv, keys  # noqa: E402
+from tokengym.testing import tiny_model, tiny_tokenizer  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules by name
+
+PROMPTS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(3)]
+GROUP = 2
+
+
+def make_source(epochs=1):
+    return PromptSource(PROMPTS, tiny_tokenizer(), group_size=GROUP, shuffle=True, seed=7, epochs=epochs)
+
+
+def make_env(reward=None, *, epochs=1, batch_size=2):
+    return TokenEnv(make_source(epochs), tiny_tokenizer(), reward, batch_size=batch_size, max_new_tokens=4,
+                    max_length=32)  # fmt: skip
+
+
+def make_policy(env, model_seed=0):
+    return TransformersPolicy(tiny_model(env.tokenizer, seed=model_seed), env)
+
+
+def exact_match(responses, prompts, metadata):
+    return [float(r.strip() == m["answer"]) for r, m in zip(responses, metadata, strict=True)]
+
+
+class FlakyReward:
+    """Raises the first time (in its process) it scores ``text``; exact match otherwise."""
+
+    def __init__(self, text):
+        self.text, self.has_raised = text, False
+
+    def __call__(self, responses, prompts, metadata):
+        if self.text in prompts and not self.has_raised:
+            self.has_raised = True
+            raise RuntimeError("reward service down")
+        return exact_match(responses, prompts, metadata)
+
+
+class CountingReward:
+    """Exact match; appends a line to ``folder/<pid>`` per call, so a test sees a worker mid-batch."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __call__(self, responses, prompts, metadata):
+        with open(os.path.join(self.folder, str(os.getpid())), "a") as f:
+            f.write("x\n")
+        return exact_match(responses, prompts, metadata)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray(monkeypatch_module):
+    # Ray kills workers when the *machine* runs low on memory; other jobs on a shared CI box must not fail these
+    monkeypatch_module.setenv("RAY_memory_monitor_refresh_ms", "0")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def _rows(batches):
+    """(group id, sample id, prompt text, trajectory id) of every trajectory in TRAJECTORIES batches."""
+    out = []
+    for b in batches:
+        table = b.get_non_tensor(keys.PROMPTS)
+        for g, s, t in zip(b[keys.GROUP_ID][:, 0].tolist(), b[keys.SAMPLE_ID][:, 0].tolist(),
+                           b[keys.TRAJ_ID][:, 0].tolist(), strict=True):  # fmt: skip
+            out.append((g, s, table.text(g), t))
+    return out
+
+
+def _check_against_source(batches, num_workers):
+    rows = _rows(batches)
+    expected = sorted((p.group_id, p.sample_id, p.text) for p in make_source())
+    assert sorted(r[:3] for r in rows) == expected  # nothing lost, nothing twice
+    assert len({r[3] for r in rows}) == len(rows)  # trajectory ids are globally unique
+    assert all(g % num_workers == t % num_workers for g, _, _, t in rows)  # a group comes from one worker
+
+
+def _globalize(batch, i, n):
+    batch.set(keys.TRAJ_ID, batch[keys.TRAJ_ID] * n + i)
+    return batch
+
+
+def _assert_equal(a, b):
+    assert a.batch_size == b.batch_size
+    for key in a.exclude(keys.PROMPTS).keys(True, True):
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_workers_are_ordinary_collectors_on_shards_and_take_weights():
+    """Each round equals two in-process TokenCollectors on shards 0 and 1 with the derived seeds, weight
+    update included; the groups are exactly those of the prompt source."""
+    new_weights = tiny_model(tiny_tokenizer(), seed=1).state_dict()
+    with RayTokenCollector(make_env, make_policy, num_workers=2, mode="trajectories", batch_size=8, seed=3,
+                           ray_config=RayConfig(cpus_per_worker=1)) as collector:  # fmt: skip
+        got = []
+        for i, batch in enumerate(collector):
+            got.append(batch)
+            if i == 1:
+                assert collector.update_policy_weights_(weights=new_weights) == 1
+        assert collector.metrics["workers"] == 2 and collector.metrics["restarts"] == 0
+    local = []
+    for i, seed in enumerate(worker_seeds(3, 2)):
+        env = make_env()
+        env.source.shard(i, 2)
+        policy = make_policy(env)
+        policy.set_seed(seed)
+        rounds = []
+        for r, batch in enumerate(TokenCollector(env, policy, mode="trajectories", batch_size=4)):
+            rounds.append(_globalize(batch, i, 2))
+            if r == 1:
+                policy.update_weights(new_weights)
+        local.append(rounds)
+    expected = [cat_batches([a, b]) for a, b in zip(*local, strict=True)]
+    assert len(got) == len(expected) == 5
+    for a, b in zip(got, expected, strict=True):
+        _assert_equal(a, b)
+    assert {int(v) for b in got[2:] for v in b[keys.POLICY_VERSION][b[keys.MASK]]} == {1}
+    _check_against_source(got, 2)
+
+
+def test_steps_batches_put_the_workers_slots_side_by_side():
+    sink = queue.Queue()
+    with RayTokenCollector(functools.partial(make_env, epochs=None), make_policy, num_workers=2, mode="steps",
+                           frames_per_batch=3, total_frames=6, sink=sink) as collector:  # fmt: skip
+        with pytest.raises(ValueError, match="needs the weights"):
+            collector.update_policy_weights_()
+        assert list(collector) == [None, None]
+        metrics = dict(collector.metrics)
+    batches = [sink.get_nowait() for _ in range(2)]
+    assert [tuple(b.shape) for b in batches] == [(4, 3), (4, 3)]
+    assert metrics["steps"] == 12 and metrics["tokens"] == int(batches[1][keys.MASK].sum())
+    assert {"tokens_per_s", "mean_reward", "staleness_max", "policy_version"} <= set(metrics)
+
+
+def test_a_killed_worker_is_restarted_without_loss_or_duplication(tmp_path):
+    """ray.kill on a worker in the middle of a batch: it restarts from its last checkpoint."""
+    env_fn = functools.partial(make_env, CountingReward(str(tmp_path)), batch_size=2)
+    with RayTokenCollector(env_fn, make_policy, num_workers=2, mode="trajectories", batch_size=12) as collector:
+        iterator = iter(collector)
+        batches = [next(iterator)]
+        victim = collector.worker_pids()[0]
+        log = tmp_path / str(victim)
+        calls = len(log.read_text().splitlines())
+        thread = threading.Thread(target=lambda: batches.append(next(iterator)))
+        thread.start()
+        deadline = time.monotonic() + 120
+        while len(log.read_text().splitlines()) == calls and time.monotonic() < deadline:
+            time.sleep(0.005)
+        ray.kill(collector.workers[0])  # the worker has scored something of this batch, not all of it
+        thread.join()
+        batches += list(iterator)
+        assert collector.restarts == [1, 0] and collector.metrics["restarts"] == 1
+        assert collector.worker_pids()[0] != victim
+    _check_against_source(batches, 2)
+
+
+def test_a_failing_reward_names_worker_prompt_and_slot_and_keeps_other_data():
+    env_fn = functools.partial(make_env, FlakyReward("4+1="))
+    collector = RayTokenCollector(env_fn, make_policy, num_workers=2, mode="trajectories", batch_size=8)
+    batches, errors = [], []
+    with collector:
+        iterator = iter(collector)
+        while True:
+            try:
+                batch = next(iterator, None)
+            except RewardFunctionError as err:
+                errors.append(str(err))
+                iterator = iter(collector)  # the failed worker was rolled back; carry on
+                continue
+            if batch is None:
+                break
+            batches.append(batch)
+    assert len(errors) == 1
+    assert "RayTokenCollector worker" in errors[0] and "reward service down" in errors[0]
+    assert "slots [" in errors[0] and "'4+1='" in errors[0]
+    _check_against_source(batches, 2)
+
+
+def test_checkpoint_resumes_the_same_rounds(tmp_path):
+    new_weights = tiny_model(tiny_tokenizer(), seed=2).state_dict()
+    env_fn = functools.partial(make_env, epochs=None)
+    with RayTokenCollector(env_fn, make_policy, num_workers=2, mode="trajectories", batch_size=6) as collector:
+        collector.set_seed(11)
+        iterator = iter(collector)
+        next(iterator)
+        collector.update_policy_weights_(new_weights)
+        next(iterator)
+        torch.save(collector.state_dict(), tmp_path / "ckpt.pt")
+        after = [next(iterator) for _ in range(2)]
+        next(iterator)
+        collector.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))  # plain data
+        resumed = [next(iterator) for _ in range(2)]
+    for a, b in zip(after, resumed, strict=True):
+        _assert_equal(a, b)
+    assert int(after[0][keys.POLICY_VERSION][after[0][keys.MASK]].min()) == 1
+
+
+def test_async_over_ray_workers_bounds_staleness():
+    weights = [tiny_model(tiny_tokenizer(), seed=s).state_dict() for s in (1, 2)]
+    inner = RayTokenCollector(functools.partial(make_env, epochs=None), make_policy, num_workers=2,
+                              mode="trajectories", batch_size=6)  # fmt: skip
+    seen = []
+    with AsyncCollector(inner, max_staleness=1) as collector:
+        for i, batch in enumerate(collector):
+            mask = batch[keys.MASK]
+            seen.append(int(batch[keys.POLICY_VERSION][mask].min()))
+            assert seen[-1] >= collector.version - 1
+            assert collector.metrics["staleness_max"] <= 1
+            time.sleep(0.05)  # "training"
+            collector.update_policy_weights_(weights[i % 2])
+            if i == 5:
+                break
+    assert collector.version == 6 and max(seen) >= 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [({"num_workers": 0}, ValueError, "num_workers must be a positive int, got 0"),
+     ({"mode": "episodes"}, ValueError, "mode must be one of"),
+     ({"batch_size": 0}, ValueError, "batch_size / frames_per_batch must be a positive int, got 0"),
+     ({"batch_size": 4, "frames_per_batch": 5}, ValueError, "disagree"),
+     ({"total_steps": 0}, ValueError, "total_steps must be a positive int or -1"),
+     ({"mode": "trajectories", "batch_size": 1}, ValueError, "cannot be split over 2 workers"),
+     ({"ray_config": {"address": None}}, TypeError, "ray_config must be a RayConfig"),
+     ({"sink": 3}, TypeError, "sink must be a ReplayBuffer")],
+)  # fmt: skip
+def test_bad_arguments_fail_before_ray_starts(kwargs, error, match):
+    kwargs = {"num_workers": 2, "batch_size": 4, **kwargs}
+    with pytest.raises(error, match=match):
+        RayTokenCollector(make_env, make_policy, **kwargs)
+
