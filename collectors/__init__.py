@@ -17,6 +17,7 @@ from tokengym.collectors.sequence_actor import MaskedCategorical, PaddedSequence
 from tokengym.collectors.sources import SourceKind, StepSource, WaveSource
 from tokengym.collectors.token_collector import CollectMode, CollectorOptions, InFlight, TokenCollector
 from tokengym.collectors.transformers_policy import TransformersPolicy
+from tokengym.collectors.vllm_policy import VLLMPolicy
 
 __all__ = [
     "AsyncCollector",
@@ -39,6 +40,7 @@ __all__ = [
     "TokenPolicy",
     "TrajectoryRecorder",
     "TransformersPolicy",
+    "VLLMPolicy",
     "WaveSource",
     "check_policy",
     "is_token_policy",

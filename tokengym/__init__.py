@@ -16,6 +16,7 @@ from tokengym.collectors import (
     TokenCollector,
     TokenPolicy,
     TransformersPolicy,
+    VLLMPolicy,
 )
 from tokengym.llm_envs import (
     MathAnswerReward,
@@ -56,6 +57,7 @@ __all__ = [
     "TokenPolicy",
     "TransformersPolicy",
     "Turn",
+    "VLLMPolicy",
     "check_env",
     "keys",
     "to_padded",

@@ -1,0 +1,293 @@
+"""VLLMPolicy: a vLLM engine generating whole waves for a TokenEnv, token ids in and token ids out.
+
+Log-prob semantics (the engine runs with vLLM's ``logprobs_mode="processed_logprobs"``):
+
+- ``action_log_prob`` (``WaveResult.log_probs``): the log-prob of the sampled token under the
+  distribution vLLM sampled from, after banned tokens, temperature, top-k and top-p: the same quantity
+  :class:`~tokengym.collectors.TransformersPolicy` writes. Greedy decoding reports the model's
+  log-prob (vLLM's greedy path applies no temperature), so greedy needs temperature 1 and no top-k / top-p.
+- ``raw_log_prob`` (``WaveResult.raw_log_probs``): the log-prob under the unmodified model. A vLLM
+  engine returns one kind of log-prob, so it is given only when the sampling leaves the distribution
+  unmodified (temperature 1, no top-k / top-p / banned tokens), where both are the same number;
+  otherwise it is ``None`` (score the batch teacher-forced for it). An engine started with
+  ``logprobs_mode="raw_logprobs"`` (vLLM's default, for an ``LLM`` you pass in) works only with such
+  unmodified sampling.
+
+Termination stays the env's: vLLM stops on the env's EOS ids (its own EOS is ignored), on the stop
+strings when the engine has a tokenizer, and at each slot's budget; :meth:`TokenEnv.unroll` re-checks
+every rule on the returned tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+
+from tokengym.collectors._vllm_engine import (
+    checkpoint_shapes,
+    import_vllm,
+    read_checkpoint,
+    start_engine,
+    stop_engine,
+    tied_outputs,
+    weight_items,
+)
+from tokengym.collectors.sampling import SamplingConfig
+from tokengym.llm_envs.waves import WaveRequest, WaveResult
+
+__all__ = ["VLLMPolicy"]
+
+_SEED_STRIDE = 1 << 32  # request seeds: policy seed * stride + request counter (distinct per request)
+_MODES = ("processed_logprobs", "raw_logprobs")
+
+
+class VLLMPolicy:
+    """Generates every live slot's turn of a :class:`~tokengym.llm_envs.TokenEnv` with a vLLM engine.
+
+    Implements :class:`~tokengym.collectors.TokenPolicy` for waves (``TokenCollector(..., source="wave")``):
+    prompts go in as the env's token ids (no re-tokenization), responses come back as token ids with
+    per-token log-probs. Each request gets its own seed (policy seed and a request counter), so a run
+    is reproducible and resumes from :meth:`state_dict`.
+
+    Args:
+        model: a local model directory (``save_pretrained`` of the model, and of the tokenizer for stop
+            strings), or a ``vllm.LLM`` you built (it stays yours: :meth:`close` does not shut it down).
+        env: the env whose slots it continues (checks vocabulary and context limit against it).
+        sampling: a :class:`~tokengym.collectors.SamplingConfig`.
+        seed: seed of the engine and of the per-request sampling seeds.
+        engine_kwargs: extra ``vllm.LLM`` arguments for an engine built from a directory (e.g.
+            ``enforce_eager=True``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``).
+
+    Raises:
+        ImportError: vLLM is not installed (the message names the extra).
+        ValueError: missing model directory, a vocabulary or context limit that does not fit the env,
+            or sampling vLLM cannot honour.
+
+    Example:
+        >>> import contextlib, io, shutil, tempfile
+        >>> from tokengym.llm_envs import TokenEnv
+        >>> from tokengym.testing import tiny_tokenizer, tiny_model
+        >>> tok = tiny_tokenizer(); model = tiny_model(tok, size="small")  # vLLM's CPU kernels need head_dim >= 32
+        >>> path = tempfile.mkdtemp(); model.save_pretrained(path); _ = tok.save_pretrained(path)
+        >>> env = TokenEnv(["1+1="], tok, batch_size=2, max_new_tokens=4, model_config=model.config)
+        >>> with contextlib.redirect_stdout(io.StringIO()):  # vLLM logs its start-up to stdout
+        ...     policy = VLLMPolicy(path, env, engine_kwargs={"enforce_eager": True, "kv_cache_memory_bytes": 1 << 24})
+        >>> _ = env.reset(); request = env.wave_request()
+        >>> result = policy.generate(request)
+        >>> result.actions.shape[0], bool((result.lengths >= 1).all()), result.raw_log_probs is not None
+        (2, True, True)
+        >>> policy.update_weights(model.state_dict())
+        1
+        >>> policy.close(); shutil.rmtree(path)
+    """
+
+    is_wave_only = True
+
+    def __init__(
+        self,
+        model,
+        env,
+        *,
+        sampling: SamplingConfig | None = None,
+        seed: int = 0,
+        engine_kwargs: dict | None = None,
+    ) -> None:
+        if sampling is not None and not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        self.env = getattr(env, "base_env", env)
+        self.sampling = sampling or SamplingConfig()
+        _check_greedy(self.sampling)
+        self.seed, self.version, self.requests = seed, 0, 0
+        self.is_unmodified = _is_unmodified(self.sampling)
+        self._vllm = import_vllm()
+        if isinstance(model, str | os.PathLike):
+            engine_kwargs = dict(engine_kwargs or {})
+            _check_logprobs_mode(engine_kwargs.get("logprobs_mode", "processed_logprobs"), self.is_unmodified)
+            self.llm = start_engine(model, max_model_len=int(self.env.max_length), seed=seed, engine_kwargs=engine_kwargs)
+            self.is_engine_owned = True
+        elif isinstance(model, self._vllm.LLM):
+            if engine_kwargs:
+                raise ValueError("engine_kwargs apply to an engine built from a directory; got a vllm.LLM already built")
+            self.llm, self.is_engine_owned = model, False
+        else:
+            raise TypeError(f"model must be a model directory (str or os.PathLike) or a vllm.LLM, got {type(model).__name__}")
+        try:
+            self._check_engine()
+        except ValueError:
+            self.close()
+            raise
+        model_config = self.llm.llm_engine.model_config
+        self._can_stop_strings = not model_config.skip_tokenizer_init
+        self._checkpoint = checkpoint_shapes(model_config.model)
+        self._tied = tied_outputs(model_config.hf_config)
+        self._base_params = self._sampling_params()
+
+    def _check_engine(self) -> None:
+        model_config = self.llm.llm_engine.model_config
+        self.max_model_len = int(model_config.max_model_len)
+        _check_logprobs_mode(model_config.logprobs_mode, self.is_unmodified)
+        _check_fits(model_config, self.env)
+        _check_tokenizer(self.llm, self.env.tokenizer, model_config)
+
+    # -- generation --
+    def _sampling_params(self):
+        s = self.sampling
+        kwargs = dict(n=1, logprobs=0, flat_logprobs=True, ignore_eos=True, detokenize=False,
+                      skip_special_tokens=False, include_stop_str_in_output=True)  # fmt: skip
+        if s.greedy:
+            kwargs["temperature"] = 0.0
+        else:
+            kwargs.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+        if s.banned_token_ids:
+            kwargs["logit_bias"] = {i: -float("inf") for i in s.banned_token_ids}
+        return kwargs
+
+    def generate(self, request: WaveRequest) -> WaveResult:
+        """Continue every prompt of ``request`` until its turn ends (EOS id, stop string or its budget)."""
+        if not isinstance(request, WaveRequest):
+            raise TypeError(f"generate takes a WaveRequest (TokenEnv.wave_request()), got {type(request).__name__}")
+        n = len(request)
+        if self.llm is None:
+            raise RuntimeError("this VLLMPolicy is closed; build a new one")
+        if n == 0:
+            empty = torch.zeros(0, 0)
+            return WaveResult(empty.long(), torch.zeros(0, dtype=torch.int64), empty, empty if self.is_unmodified else None,
+                              self.version)  # fmt: skip
+        budgets = self._check_request(request)
+        params = self._request_params(request, budgets)
+        prompts = [{"prompt_token_ids": p.tolist()} for p in request.prompts]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return self._result([o.outputs[0] for o in outputs])
+
+    def _check_request(self, request: WaveRequest) -> list[int]:
+        budgets = request.max_new_tokens.tolist()
+        for i, (prompt, budget) in enumerate(zip(request.prompts, budgets, strict=True)):
+            if budget < 1 or prompt.numel() + budget > self.max_model_len:
+                slot = int(request.slots[i])
+                raise ValueError(
+                    f"slot {slot}: a prompt of {prompt.numel()} tokens with {budget} new tokens does not fit the "
+                    f"engine's max_model_len {self.max_model_len} (or the budget is < 1); build the env with "
+                    f"max_length <= {self.max_model_len} or the engine with a larger max_model_len"
+                )
+        return budgets
+
+    def _request_params(self, request: WaveRequest, budgets: list[int]) -> list:
+        base = dict(self._base_params, stop_token_ids=list(request.eos_token_ids))
+        if request.stop_strings and self._can_stop_strings:
+            base.update(stop=list(request.stop_strings), detokenize=True)
+        greedy = self.sampling.greedy
+        first, self.requests = self.requests, self.requests + len(budgets)
+        make = self._vllm.SamplingParams
+        return [make(**base, max_tokens=m, seed=None if greedy else self.seed * _SEED_STRIDE + first + i)
+                for i, m in enumerate(budgets)]  # fmt: skip
+
+    def _result(self, completions) -> WaveResult:
+        lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.int64)
+        for c in completions:
+            if c.logprobs is None or len(c.logprobs.logprobs) != len(c.token_ids):
+                raise RuntimeError("vLLM returned no log-prob per sampled token; was logprobs=0 changed?")
+        n, T = len(completions), int(lengths.max())
+        mask = torch.arange(T) < lengths[:, None]  # (n, T)
+        actions = torch.zeros(n, T, dtype=torch.int64)
+        actions[mask] = torch.tensor(list(itertools.chain.from_iterable(c.token_ids for c in completions)))
+        log_probs = torch.zeros(n, T)
+        log_probs[mask] = torch.tensor(list(itertools.chain.from_iterable(c.logprobs.logprobs for c in completions)))
+        raw = log_probs if self.is_unmodified else None
+        return WaveResult(actions, lengths, log_probs, raw, self.version)
+
+    # -- weights --
+    def update_weights(self, weights=None) -> int:
+        """Load the trainer's weights into the running engine, reset its prefix cache, bump the version.
+
+        Args:
+            weights: a ``transformers`` state_dict or a TensorDict of weights (transformers names), all
+                of them; ``None`` reloads the engine's checkpoint directory (after the trainer saved to it).
+        """
+        if self.llm is None:
+            raise RuntimeError("this VLLMPolicy is closed; build a new one")
+        if weights is None:
+            weights = read_checkpoint(self.llm.llm_engine.model_config.model)
+        items = weight_items(weights, self._checkpoint, self._tied)
+        # vLLM's CPU backend repacks linear weights after loading, so model.load_weights fails on a
+        # running engine; the worker's reload path undoes the packing, loads, and packs again
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        self.llm.reset_prefix_cache()
+        self.version += 1
+        return self.version
+
+    # -- state --
+    def set_seed(self, seed: int) -> None:
+        """Restart the per-request seeds from ``seed``."""
+        self.seed, self.requests = int(seed), 0
+
+    def state_dict(self, *, include_cache: bool = True) -> dict:
+        """Seed, request counter and version (the prefix cache is a cache: it is not saved)."""
+        return {"seed": self.seed, "requests": self.requests, "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.seed, self.requests, self.version = int(state["seed"]), int(state["requests"]), int(state["version"])
+
+    def close(self) -> None:
+        """Stop the engine if this policy started it (an ``LLM`` passed in stays the caller's).
+
+        vLLM's shutdown (also run when an engine is garbage-collected) tears down the process-wide
+        distributed state every in-process engine uses, so a stopped engine is kept until no engine a
+        ``VLLMPolicy`` started still runs; then all are shut down and their memory freed. An ``LLM``
+        you built yourself in the same process must outlive them.
+        """
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None and self.is_engine_owned:
+            stop_engine(llm)
+
+
+def _is_unmodified(s: SamplingConfig) -> bool:
+    return s.temperature == 1.0 and s.top_k == 0 and s.top_p == 1.0 and not s.banned_token_ids
+
+
+def _check_greedy(s: SamplingConfig) -> None:
+    if s.greedy and (s.temperature != 1.0 or s.top_k or s.top_p != 1.0):
+        raise ValueError(
+            f"vLLM's greedy decoding reports log-probs at temperature 1 over the whole vocabulary, so greedy with "
+            f"temperature={s.temperature}, top_k={s.top_k}, top_p={s.top_p} would not mean what TransformersPolicy's "
+            "action_log_prob means; use SamplingConfig(greedy=True) with temperature=1.0, top_k=0, top_p=1.0"
+        )
+
+
+def _check_logprobs_mode(mode: str, is_unmodified: bool) -> None:
+    if mode not in _MODES or (mode == "raw_logprobs" and not is_unmodified):
+        raise ValueError(
+            f"the engine's logprobs_mode is {mode!r}: action_log_prob needs the log-prob of the distribution "
+            "sampled from; start the engine with logprobs_mode='processed_logprobs'"
+        )
+
+
+def _check_fits(model_config, env) -> None:
+    model_vocab, tok_vocab = int(model_config.hf_config.vocab_size), len(env.tokenizer)
+    if model_vocab < tok_vocab:
+        raise ValueError(f"the engine's model has vocab_size {model_vocab}, smaller than the env tokenizer's {tok_vocab}: "
+                         "the model and the tokenizer do not match")  # fmt: skip
+    if model_vocab > env.vocab_size:
+        raise ValueError(f"the engine's model can emit ids up to {model_vocab - 1} but the env accepts [0, {env.vocab_size}); "
+                         "build the env with model_config=model.config")  # fmt: skip
+    if int(model_config.max_model_len) < env.max_length:
+        raise ValueError(
+            f"the engine's max_model_len {model_config.max_model_len} is shorter than the env's max_length "
+            f"{env.max_length}: long prompts would not fit; build the env with max_length={model_config.max_model_len} "
+            "or the engine with a larger max_model_len"
+        )
+
+
+def _check_tokenizer(llm, tokenizer, model_config) -> None:
+    """An engine tokenizer (used only to find stop strings) must be the env's."""
+    if model_config.skip_tokenizer_init:
+        return
+    engine_vocab = llm.get_tokenizer().get_vocab()
+    if engine_vocab != tokenizer.get_vocab():
+        differ = sorted(set(engine_vocab.items()) ^ set(tokenizer.get_vocab().items()))[:3]
+        raise ValueError(f"the engine's tokenizer ({model_config.tokenizer}) is not the env's (first differences "
+                         f"{differ}); save the env's tokenizer into the model directory")  # fmt: skip
