@@ -1,5 +1,14 @@
-"""Benchmark setup: one torch thread, as in the tests; same-run ratio tables printed at the end."""
+"""Benchmark setup: one torch thread, as in the tests; same-run ratio tables printed at the end.
 
+The tables are markdown with the date, the machine and the configuration, so the README's tables
+are regenerated from ``make bench`` output.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
 from collections import defaultdict
 
 import pytest
@@ -7,13 +16,14 @@ import torch
 
 torch.set_num_threads(1)
 
-_THROUGHPUT: dict = defaultdict(dict)
+_THROUGHPUT: dict = {}
 _BYTES: dict = {}
+_TRL: dict = defaultdict(dict)
 
 
 @pytest.fixture(scope="session")
 def throughput_table():
-    """(size, B) -> {method: tokens/s}, filled by benchmarks/test_collector_throughput.py."""
+    """(config, B) -> (description, {contestant: median tokens/s}, {(a, b): median per-round ratio a / b})."""
     return _THROUGHPUT
 
 
@@ -23,24 +33,71 @@ def bytes_table():
     return _BYTES
 
 
+@pytest.fixture(scope="session")
+def trl_table():
+    """contestant -> {"s_per_iter": ..., "collect_s": ..., "train_s": ..., "rewards": [...]}, from test_vs_trl.py."""
+    return _TRL
+
+
+def machine() -> str:
+    """CPU model, cores, load, library versions: the context every table needs."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import transformers
+
+    load = f", load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return (f"{cpu}, {os.cpu_count()} cores{load}; torch {torch.__version__} ({torch.get_num_threads()} thread), "
+            f"transformers {transformers.__version__}")  # fmt: skip
+
+
+def _header(write, title: str) -> None:
+    write("")
+    write(f"### {title}")
+    write(f"date: {datetime.date.today().isoformat()}; machine: {machine()}")
+
+
+def _throughput_table(write) -> None:
+    _header(write, "Collector throughput (benchmarks/test_collector_throughput.py)")
+    write("Real (non-padding) tokens/s: median over interleaved rounds (contestants in a rotated order each round); "
+          "ratios: median of the per-round ratios. Full-vocabulary sampling at temperature 1 for every contestant; "
+          "one torch thread.")  # fmt: skip
+    names = ["generate", "hand loop", "stepwise", "wave", "torchrl"]
+    pairs = list(dict.fromkeys(pair for _, _, ratios in _THROUGHPUT.values() for pair in ratios))
+    write("| config | B | " + " | ".join(names + [f"{a} ÷ {b}" for a, b in pairs]) + " | setup |")
+    write("|---" * (len(names) + len(pairs) + 3) + "|")
+    for (name, B), (description, rates, ratios) in _THROUGHPUT.items():
+        cells = [f"{rates[n]:.0f}" if n in rates else "-" for n in names]
+        cells += [f"{ratios[pair]:.2f}" if pair in ratios else "-" for pair in pairs]
+        write(f"| {name} | {B} | " + " | ".join(cells) + f" | {description} |")
+
+
+def _trl_table(write) -> None:
+    _header(write, "make demo job: tokengym vs TRL GRPOTrainer (benchmarks/test_vs_trl.py)")
+    rows = dict(_TRL)
+    info = rows.pop("_info", {})
+    if info:
+        write(info["description"])
+    write("| trainer | s / iteration | ÷ TRL (paired) | collect s | train s | mean reward, first 5 | "
+          "mean reward, last 5 |")  # fmt: skip
+    write("|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        first, last = r["rewards"][:5], r["rewards"][-5:]
+        paired = f"{r['vs_trl']:.2f}" if "vs_trl" in r else "1"
+        write(f"| {name} | {r['s_per_iter']:.3f} | {paired} | {r.get('collect_s', float('nan')):.3f} | "
+              f"{r.get('train_s', float('nan')):.3f} | {sum(first) / len(first):.3f} | {sum(last) / len(last):.3f} |")
+    for name, r in rows.items():
+        write(f"reward curve, {name}: " + " ".join(f"{x:.2f}" for x in r["rewards"]))
+
+
 def pytest_terminal_summary(terminalreporter):
+    write = terminalreporter.write_line
     if _THROUGHPUT:
-        methods = sorted({m for row in _THROUGHPUT.values() for m in row})
-        write = terminalreporter.write_line
-        write("")
-        write("collector throughput, tokens/s (ratio to raw_generate, same run)")
-        write("| model | B | " + " | ".join(methods) + " |")
-        write("|---" * (len(methods) + 2) + "|")
-        for (size, B), row in sorted(_THROUGHPUT.items()):
-            base = row.get("raw_generate")
-            cells = []
-            for m in methods:
-                if m not in row:
-                    cells.append("-")
-                else:
-                    ratio = f" ({row[m] / base:.2f}x)" if base else ""
-                    cells.append(f"{row[m]:.0f}{ratio}")
-            write(f"| {size} | {B} | " + " | ".join(cells) + " |")
+        _throughput_table(write)
     if _BYTES:
-        terminalreporter.write_line("bytes stored per step and slot: " + ", ".join(
-            f"max_length {k}: {v:.0f} B" for k, v in sorted(_BYTES.items())))
+        write("bytes stored per step and slot: " + ", ".join(f"max_length {k}: {v:.0f} B" for k, v in sorted(_BYTES.items())))
+    if _TRL:
+        _trl_table(write)

@@ -86,15 +86,19 @@ class SlotKVCache:
         the last, which the next :meth:`decode` feeds.
         """
         # A TokenEnv replaces its trajectory-id and active tensors when it refills a slot and never
-        # writes them in place: the same objects as last time mean no new trajectory, and only
-        # env-inserted tokens (multi-turn) remain to check. Two ops instead of a full comparison.
-        if traj is self._seen[0] and active is self._seen[1] and not bool((seq_len > self.length + 1).any()):
-            return
+        # writes them in place: the same objects as last time mean no new trajectory. What remains is a
+        # live slot whose length moved other than by the one decoded token (env-inserted tokens, or a
+        # step the env rolled back and is retried): two ops when every slot is live, four otherwise.
+        if traj is self._seen[0] and active is self._seen[1]:
+            gap = seq_len - self.length  # (B,) 1 for every slot in step with the cache
+            if torch.equal(gap, self._new_column.view(-1)) or not bool(((gap != 1) & active).any()):
+                return
         self._seen = (traj, active)
-        is_new = active & (traj != self.traj)
-        if bool(is_new.any()):
-            self.traj = torch.where(is_new, traj, self.traj)
-            self._refill(is_new.nonzero().squeeze(-1), tokens, seq_len, active)
+        # a new trajectory, or a cache ahead of the env (a step rolled back after a reward error): prefill
+        stale = active & ((traj != self.traj) | (self.length >= seq_len))
+        if bool(stale.any()):
+            self.traj = torch.where(stale, traj, self.traj)
+            self._refill(stale.nonzero().squeeze(-1), tokens, seq_len, active)
         grown = active & (self.length < seq_len - 1)
         if bool(grown.any()):
             rows = grown.nonzero().squeeze(-1)
@@ -198,6 +202,18 @@ class SlotKVCache:
              v.gather(2, order[:, None, :, None].expand(-1, v.shape[1], -1, v.shape[3])))
             for k, v in self.kv
         ]  # fmt: skip
+
+    def clear(self) -> None:
+        """Forget every slot (after a weight update, say): the next :meth:`sync` prefills every live slot.
+
+        Cheaper than a new cache, which probes the model once to learn its layer shapes.
+        """
+        self.kv = [(k.new_zeros(*k.shape[:2], 0, k.shape[3]), v.new_zeros(*v.shape[:2], 0, v.shape[3]))
+                   for k, v in self.kv]  # fmt: skip
+        self.mask = self.mask.new_zeros(self.batch_size, 0)
+        self.length = torch.zeros_like(self.length)
+        self.traj = torch.full_like(self.traj, -1)
+        self._seen = (None, None)
 
     # -- checkpoints --
     def state_dict(self) -> dict:

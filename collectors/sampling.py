@@ -1,4 +1,11 @@
-"""Token sampling: temperature, top-k, top-p, greedy, banned tokens; seeded and shared by every decode path."""
+"""Token sampling: temperature, top-k, top-p, greedy, banned tokens; seeded and shared by every decode path.
+
+The common RL configuration (temperature, maybe banned tokens, no top-k / top-p) takes a fast path that
+touches the vocabulary three times per row: a max, one ``exp``, one block sum. The draw is an exact
+inverse CDF in two levels (pick a block of tokens by its mass, then a token inside it), so no float64
+cumulative sum over the whole vocabulary is built; the log-prob of the chosen token comes from the same
+normalizer, without a log-softmax over the vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,11 @@ import dataclasses
 import torch
 
 __all__ = ["SamplingConfig", "sample_tokens"]
+
+_BLOCK = 256
+"""Tokens per block of the two-level draw; vocabularies up to ``_ONE_LEVEL_MAX`` use one level."""
+_ONE_LEVEL_MAX = 8192
+_BELOW_ONE = 1.0 - 2.0**-53  # the largest float64 below 1, as torch.rand draws: u * total < total for it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,62 +50,158 @@ class SamplingConfig:
             raise ValueError(f"top_k must be an int >= 0 (0 keeps all tokens), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        object.__setattr__(self, "banned_token_ids", tuple(int(i) for i in self.banned_token_ids))
+        ids = tuple(int(i) for i in self.banned_token_ids)
+        if any(i < 0 for i in ids):
+            raise ValueError(f"banned_token_ids must be token ids >= 0, got {min(ids)}")
+        object.__setattr__(self, "banned_token_ids", ids)
+        # not a field: one id tensor per device, built once instead of from the tuple every step
+        object.__setattr__(self, "_banned_tensors", {})
+
+    @property
+    def is_filtered(self) -> bool:
+        """True when top-k, top-p or greedy decoding reshape the distribution (the slower, general path)."""
+        return self.greedy or self.top_k > 0 or self.top_p < 1.0
+
+    def banned_ids(self, device: torch.device) -> torch.Tensor | None:
+        """The banned ids as an int64 tensor on ``device`` (cached), or ``None`` when nothing is banned."""
+        if not self.banned_token_ids:
+            return None
+        cache = self._banned_tensors  # type: ignore[attr-defined]
+        if device not in cache:
+            cache[device] = torch.tensor(self.banned_token_ids, dtype=torch.int64, device=device)
+        return cache[device]
 
 
-def _filter(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """Temperature, banned tokens, top-k and top-p applied to logits (B, V)."""
-    if config.temperature != 1.0:
-        logits = logits / config.temperature
-    if config.banned_token_ids:
-        logits = logits.index_fill(-1, torch.tensor(config.banned_token_ids, device=logits.device), -float("inf"))
-    if 0 < config.top_k < logits.shape[-1]:
-        kth = logits.topk(config.top_k, dim=-1).values[..., -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, -float("inf"))
+def _filter(x: torch.Tensor, config: SamplingConfig, banned: torch.Tensor | None) -> torch.Tensor:
+    """Banned tokens, top-k and top-p applied to temperature-scaled logits (B, V); returns a new tensor."""
+    x = x.index_fill(-1, banned, -float("inf")) if banned is not None else x.clone()
+    if 0 < config.top_k < x.shape[-1]:
+        kth = x.topk(config.top_k, dim=-1).values[..., -1:]  # (B, 1)
+        x.masked_fill_(x < kth, -float("inf"))
     if config.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
-        probs = sorted_logits.softmax(-1)
+        sorted_x, order = x.sort(dim=-1, descending=True)  # (B, V)
+        probs = sorted_x.softmax(-1)
         # drop a token once the mass before it already reaches top_p (the top token always stays)
         drop_sorted = probs.cumsum(-1) - probs >= config.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, -float("inf"))
-    return logits
+        x.masked_fill_(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), -float("inf"))
+    return x
 
 
-def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row of probs (B, V) by inverse CDF: one uniform per row, 10-20x cheaper than multinomial.
+def _draw_small(x: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact inverse-CDF draw (B, 1) from logits (B, V) of a small vocabulary, and the log-probs (B, V).
 
-    The CDF is accumulated in float64 so ``u * total < total`` holds strictly; ``right=True`` skips
-    zero-probability tokens (their CDF intervals are empty).
+    Few, fused ops: the per-op overhead, not the arithmetic, is the cost at this size. One float64
+    uniform per row; the CDF is accumulated in float64 so ``u * total < total`` holds strictly and
+    ``right=True`` skips zero-probability tokens (their intervals are empty).
     """
-    cdf = probs.double().cumsum(-1)  # (B, V)
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, generator=generator, device=probs.device)
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    logp = x.log_softmax(-1)  # (B, V)
+    cdf = logp.exp().double().cumsum(-1)
+    u = torch.rand(x.shape[0], 1, dtype=torch.float64, generator=generator, device=x.device)
+    return torch.searchsorted(cdf, u.mul_(cdf[:, -1:]), right=True).clamp_(max=x.shape[-1] - 1), logp
+
+
+def _draw_large(
+    x: torch.Tensor, m: torch.Tensor, banned: torch.Tensor | None, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact two-level inverse-CDF draw (B, 1) from logits (B, V) with row max ``m`` (B, 1); returns it and
+    ``log(sum(exp(x - m)))`` (B, 1) over the allowed tokens.
+
+    The weights ``exp(x - m)`` (banned ones 0) are split into blocks of ``_BLOCK`` tokens; one float64
+    uniform per row picks a block by its mass (float64 cumsum over the block sums), then a token inside
+    it (float64 cumsum over the block), so the float64 work is O(V / _BLOCK + _BLOCK) per row.
+    """
+    B, V = x.shape
+    weights = x.new_empty(B, -(-V // _BLOCK) * _BLOCK)  # right-padded with zero weights
+    torch.sub(x, m, out=weights[:, :V]).exp_()
+    weights[:, V:].zero_()
+    if banned is not None:
+        weights.index_fill_(-1, banned, 0.0)
+    blocks = weights.view(B, -1, _BLOCK)  # (B, V' / block, block)
+    sums = blocks.sum(-1).double()  # (B, V' / block)
+    cdf = torch.cat([sums.new_zeros(B, 1), sums.cumsum_(-1)], 1)  # leading 0: cdf[b] is the mass before b
+    total = cdf[:, -1:]
+    target = torch.rand(B, 1, dtype=torch.float64, generator=generator, device=x.device).mul_(total)
+    b = torch.searchsorted(cdf, target, right=True).sub_(1).clamp_(max=cdf.shape[1] - 2)  # (B, 1)
+    lo, hi = cdf.gather(1, b), cdf.gather(1, b + 1)
+    inner = blocks.gather(1, b[:, :, None].expand(-1, 1, _BLOCK)).squeeze(1).double().cumsum_(-1)  # (B, block)
+    # the same uniform, rescaled into the block's own float64 cumsum (its rounding differs from the block
+    # sum); kept below 1 so the target stays strictly below the block total and never hits a zero weight
+    target = ((target - lo) / (hi - lo)).clamp_(max=_BELOW_ONE).mul_(inner[:, -1:])
+    j = torch.searchsorted(inner, target, right=True).clamp_(max=_BLOCK - 1)
+    return b * _BLOCK + j, total.log()
 
 
 def sample_tokens(
-    logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor,
+    config: SamplingConfig,
+    generator: torch.Generator | None,
+    *,
+    with_raw_log_prob: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Choose one token per row of ``logits`` (B, V).
 
+    Args:
+        logits: next-token logits (B, V); never modified.
+        config: the :class:`SamplingConfig`.
+        generator: the seeded generator every draw comes from (one float64 uniform per row).
+        with_raw_log_prob: also compute the log-prob under the unmodified model; ``False`` returns
+            ``None`` in its place and saves a pass over the vocabulary when a filter or a temperature is set.
+
     Returns:
-        ``(action, action_log_prob, raw_log_prob)``, each of shape (B,).
+        ``(action, action_log_prob, raw_log_prob)``, each of shape (B,) (``raw_log_prob`` may be ``None``).
 
     Example:
         >>> logits = torch.tensor([[0.0, 5.0, 1.0]])
         >>> a, lp, raw = sample_tokens(logits, SamplingConfig(greedy=True), None)
         >>> a.tolist(), round(lp.item(), 3) == round(raw.item(), 3)
         ([1], True)
+        >>> a, lp, raw = sample_tokens(logits, SamplingConfig(banned_token_ids=(1,)), torch.Generator().manual_seed(0))
+        >>> a.item() != 1, torch.allclose(lp, torch.tensor([0.0, -float("inf"), 1.0]).log_softmax(-1)[a])
+        (True, True)
     """
-    logits = logits.float()
-    filtered = _filter(logits, config)
-    logp = filtered.log_softmax(-1)  # (B, V)
+    raw_logits = logits.float()
+    x = raw_logits if config.temperature == 1.0 else raw_logits / config.temperature  # (B, V)
+    banned = config.banned_ids(x.device)
+    banned_x = None
+    is_large = x.shape[-1] > _ONE_LEVEL_MAX
+    if config.is_filtered or (banned is not None and not is_large):
+        x = _filter(x, config, banned)  # a copy with banned / filtered tokens at -inf (cheap at small V)
+    elif banned is not None:
+        banned_x = x.index_select(-1, banned)  # (B, n): large V bans in weight space, no copy of the logits
     if config.greedy:
-        action = logp.argmax(-1)
+        action = x.argmax(-1, keepdim=True)  # (B, 1)
+        logp = x.gather(-1, action) - x.logsumexp(-1, keepdim=True)
+    elif is_large:
+        m = _max_allowed(x, banned, banned_x)  # (B, 1)
+        action, log_total = _draw_large(x, m, None if banned_x is None else banned, generator)
+        lse = m + log_total.float()
+        logp = x.gather(-1, action) - lse
     else:
-        action = _inverse_cdf(logp.exp(), generator)
-    picked = logp.gather(-1, action[:, None]).squeeze(-1)
-    if filtered is logits:  # no temperature or filtering: the raw log-prob is the same number
-        return action, picked, picked.clone()
-    raw = logits.log_softmax(-1).gather(-1, action[:, None]).squeeze(-1)
-    return action, picked, raw
+        action, logp_all = _draw_small(x, generator)
+        logp = logp_all.gather(-1, action)
+    action, logp = action.squeeze(-1), logp.squeeze(-1)
+    if not with_raw_log_prob:
+        return action, logp, None
+    if x is raw_logits:  # temperature 1, no filter
+        if banned_x is None:  # nothing reshaped the distribution: the raw log-prob is the same number
+            return action, logp, logp.clone()
+        # only bans, large V: add the banned tokens' mass back to the normalizer
+        return action, logp, logp + lse.squeeze(-1) - torch.logaddexp(lse.squeeze(-1), banned_x.logsumexp(-1))
+    raw = raw_logits.gather(-1, action[:, None]).squeeze(-1) - raw_logits.logsumexp(-1)
+    return action, logp, raw
+
+
+def _max_allowed(x: torch.Tensor, banned: torch.Tensor | None, banned_x: torch.Tensor | None) -> torch.Tensor:
+    """Max (B, 1) of each row over the tokens that may be drawn, so the largest weight is exactly 1.
+
+    ``banned_x`` holds the banned logits (B, n); only rows whose max is a banned token (rare) are
+    recomputed on a masked copy.
+    """
+    m = x.amax(-1, keepdim=True)
+    if banned_x is None:
+        return m
+    hit = (banned_x.amax(-1, keepdim=True) >= m).squeeze(-1)
+    if bool(hit.any()):
+        m = m.clone()
+        m[hit] = x[hit].index_fill(-1, banned, -float("inf")).amax(-1, keepdim=True)
+    return m
