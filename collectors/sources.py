@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from tokengym.collectors.policy import supports_steps, supports_waves
-from tokengym.collectors.recorders import flat_name
+from tokengym.collectors.recorders import Step, flat_name
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.errors import PromptError
 
@@ -46,16 +46,14 @@ class _StepKeys:
         self.next: tuple[str, ...] = ()
 
     def chunk(self, td, nxt, lead: int) -> dict:
-        """The tensors of a step (``lead`` = 1: (B, ...) made (B, 1, ...)) or a wave (``lead`` = 2)."""
+        """The tensors of a step (``lead`` = 1: a :class:`Step` of (B, ...) tensors) or a wave (``lead`` = 2)."""
         root, nxt_items = dict(td.items()), dict(nxt.items())
         if self.root is None:
             self.root = tuple(k for k, v in root.items() if k not in _ROOT_SKIP and isinstance(v, torch.Tensor))
             self.next = tuple(k for k, v in nxt_items.items() if k not in _NEXT_SKIP and isinstance(v, torch.Tensor))
         out = {k: root[k] for k in self.root}
         out.update({f"{_NEXT}.{k}": nxt_items[k] for k in self.next})
-        if lead == 1:
-            out = {k: v.unsqueeze(1) for k, v in out.items()}
-        return out
+        return Step(out) if lead == 1 else out
 
 
 class StepSource:

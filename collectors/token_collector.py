@@ -13,7 +13,7 @@ from tensordict import TensorDictBase
 from tokengym.collectors._checkpoint import collector_state, load_collector_state
 from tokengym.collectors._metrics import batch_metrics
 from tokengym.collectors.policy import as_token_policy
-from tokengym.collectors.recorders import StepRecorder, TrajectoryRecorder
+from tokengym.collectors.recorders import Step, StepRecorder, TrajectoryRecorder
 from tokengym.collectors.sources import SourceKind, make_source
 from tokengym.llm_envs import PromptTable, TokenEnv, keys
 
@@ -142,7 +142,7 @@ class TokenCollector:
         for traj, ids in self.base_env.pop_finished_sequences().items():
             self.prompts.add_sequence(traj, ids)
         if chunk:
-            self.steps_done += next(iter(chunk.values())).shape[1]
+            self.steps_done += 1 if isinstance(chunk, Step) else next(iter(chunk.values())).shape[1]
             self.pending = self.recorder.write(chunk)
         if error is not None:
             raise error  # recorded first: iterate again to go on with the next prompts

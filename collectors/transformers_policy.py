@@ -71,13 +71,16 @@ class TransformersPolicy(TensorDictModuleBase):
             self.out_keys = [*self.out_keys, keys.RAW_LOG_PROB]
         self.version = 0
         self._version_tensor: torch.Tensor | None = None
+        self._version_stamped = -1  # the version _version_tensor holds (no tensor read per step)
         self.generator = torch.Generator().manual_seed(seed)
         self.reset_cache()
 
     def reset_cache(self) -> None:
         """Drop every cached slot; the next call prefills all slots from the env's token buffer."""
-        B = self.env.batch_size[0]
-        self.cache = SlotKVCache(self.model, B)
+        if getattr(self, "cache", None) is None:
+            self.cache = SlotKVCache(self.model, self.env.batch_size[0])
+        else:
+            self.cache.clear()  # no new cache: that probes the model for its layer shapes
 
     # -- stepping --
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -85,14 +88,13 @@ class TransformersPolicy(TensorDictModuleBase):
         token, seq_len = tensordict.get(keys.TOKEN), tensordict.get(keys.SEQ_LEN)
         traj, active = tensordict.get(keys.TRAJ_ID), tensordict.get(keys.ACTIVE)
         self.cache.sync(self.env.tokens, seq_len, traj, active)  # the env's read-only buffer: new prefixes only
-        logits = self.cache.decode(token, active)
-        if not bool(active.all()):
-            logits = torch.where(active[:, None], logits, torch.zeros_like(logits))  # idle rows attend nothing
-        action, logp, raw = sample_tokens(logits, self.sampling, self.generator)
+        logits = self.cache.decode(token, active)  # idle rows attend to their own token: finite, and ignored
+        action, logp, raw = sample_tokens(logits, self.sampling, self.generator,
+                                          with_raw_log_prob=self.return_raw_log_prob)  # fmt: skip
         tensordict.set(keys.ACTION, action)
         tensordict.set(keys.ACTION_LOG_PROB, logp)
-        if self._version_tensor is None or int(self._version_tensor[0]) != self.version:
-            self._version_tensor = torch.full_like(action, self.version)
+        if self._version_tensor is None or self._version_stamped != self.version:
+            self._version_tensor, self._version_stamped = torch.full_like(action, self.version), self.version
         tensordict.set(keys.POLICY_VERSION, self._version_tensor)  # shared: nobody writes it in place
         if self.return_raw_log_prob:
             tensordict.set(keys.RAW_LOG_PROB, raw)
@@ -135,19 +137,20 @@ class TransformersPolicy(TensorDictModuleBase):
         for i, ids in enumerate(request.prompts):  # one copy per sequence and wave, never per step
             prompts[i, width - len(ids) :] = ids
             mask[i, width - len(ids) :] = 1
-        sampler = _SamplingProcessor(self.sampling, self.generator)
+        sampler = _SamplingProcessor(self.sampling, self.generator, with_raw=self.return_raw_log_prob)
         self.model.generate(
             input_ids=prompts, attention_mask=mask, max_new_tokens=int(request.max_new_tokens.max()),
             do_sample=False, logits_processor=LogitsProcessorList([sampler]), eos_token_id=list(request.eos_token_ids),
             pad_token_id=self.env.tokenizer.pad_token_id, num_beams=1, use_cache=True,
         )  # fmt: skip
-        actions, logp, raw = (torch.stack(x, dim=1) for x in (sampler.actions, sampler.log_probs, sampler.raw_log_probs))
+        actions, logp = torch.stack(sampler.actions, dim=1), torch.stack(sampler.log_probs, dim=1)
         T = actions.shape[1]
         is_eos = torch.isin(actions, torch.tensor(request.eos_token_ids, dtype=torch.int64))
         first_eos = torch.where(is_eos, torch.arange(T), T).min(1).values
         out_len = torch.minimum(torch.minimum(first_eos + 1, torch.full_like(first_eos, T)), request.max_new_tokens)
         return WaveResult(actions=actions, lengths=out_len, log_probs=logp,
-                          raw_log_probs=raw if self.return_raw_log_prob else None, version=self.version)  # fmt: skip
+                          raw_log_probs=torch.stack(sampler.raw_log_probs, dim=1) if self.return_raw_log_prob else None,
+                          version=self.version)  # fmt: skip
 
     # -- the TokenPolicy protocol --
     def update_weights(self, weights=None) -> int:
@@ -193,14 +196,14 @@ class TransformersPolicy(TensorDictModuleBase):
 class _SamplingProcessor(LogitsProcessor):
     """Samples inside ``generate`` with tokengym's sampler; returns one-hot scores so greedy picks it."""
 
-    def __init__(self, config: SamplingConfig, generator: torch.Generator) -> None:
-        self.config, self.generator = config, generator
+    def __init__(self, config: SamplingConfig, generator: torch.Generator, *, with_raw: bool) -> None:
+        self.config, self.generator, self.with_raw = config, generator, with_raw
         self.actions: list[torch.Tensor] = []
         self.log_probs: list[torch.Tensor] = []
         self.raw_log_probs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        action, logp, raw = sample_tokens(scores, self.config, self.generator)
+        action, logp, raw = sample_tokens(scores, self.config, self.generator, with_raw_log_prob=self.with_raw)
         self.actions.append(action)
         self.log_probs.append(logp)
         self.raw_log_probs.append(raw)

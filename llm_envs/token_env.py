@@ -185,6 +185,7 @@ class TokenEnv(EnvBase):
         for k, v in state["state"].items():
             self._rt.state[k] = v.clone()
         self._rt.done = state["done"].clone()
+        self._rt.any_done = bool(self._rt.done.any())
         self._rt.is_reset, self._rt.next_traj = state["is_reset"], state["next_traj"]
         if len(state["prompts"]) != self.batch_size[0]:
             raise ValueError(
@@ -202,6 +203,60 @@ class TokenEnv(EnvBase):
         except (ValueError, KeyError, TypeError, OverflowError) as err:
             raise PromptError(f"{type(err).__name__}: {err}") from err
         self._load_prompt(b, prompt)
+
+    def _next_prompt(self) -> Prompt | None:
+        try:
+            return self.source.next()
+        except PromptError:
+            raise
+        except (ValueError, KeyError, TypeError, OverflowError) as err:
+            raise PromptError(f"{type(err).__name__}: {err}") from err
+
+    def _check_prompt_length(self, prompt: Prompt) -> None:
+        n = prompt.ids.numel()
+        if n >= self.max_length:
+            raise PromptError(
+                f"prompt {prompt.index} {prompt.text[:60]!r} has {n} tokens but max_length is {self.max_length} "
+                "(prompt + response); shorten the prompt or raise max_length"
+            )
+
+    def _load_prompts(self, loaded: list[tuple[int, Prompt]]) -> list[tuple[int, PromptError]]:
+        """Load several slots' prompts with a few vectorized writes (not a dozen scalar writes per slot);
+        returns the (slot, error) of prompts whose ids are outside the vocabulary (those slots are not loaded)."""
+        ids = torch.cat([p.ids for _, p in loaded]) if loaded else None
+        if ids is None or not len(ids):
+            return []
+        lo, hi = (int(x) for x in torch.aminmax(ids))
+        if lo < 0 or hi >= self.vocab_size:  # rare: find the prompts at fault, load the others one by one
+            failed = []
+            for b, prompt in loaded:
+                try:
+                    self._load_prompt(b, prompt)
+                    self._rt.done[b] = False
+                except PromptError as err:
+                    failed.append((b, err))
+            return failed
+        s, n = self._rt.state, len(loaded)
+        slots = torch.tensor([b for b, _ in loaded])
+        lens = torch.tensor([p.ids.numel() for _, p in loaded])
+        ends = lens.cumsum(0)
+        rows = torch.repeat_interleave(slots, lens)
+        cols = torch.arange(len(ids)) - torch.repeat_interleave(ends - lens, lens)
+        self._tokens[rows, cols] = ids
+        s[keys.TOKEN][slots] = ids[ends - 1]
+        s[keys.SEQ_LEN][slots] = lens
+        s[keys.PROMPT_LEN][slots] = lens
+        s[keys.RESPONSE_LEN][slots] = 0
+        s[keys.TURN][slots] = 0
+        s[keys.TRAJ_ID][slots] = torch.arange(self._rt.next_traj, self._rt.next_traj + n)
+        s[keys.GROUP_ID][slots] = torch.tensor([p.group_id for _, p in loaded])
+        s[keys.SAMPLE_ID][slots] = torch.tensor([p.sample_id for _, p in loaded])
+        s[keys.ACTIVE][slots] = True
+        self._rt.done[slots] = False
+        for b, prompt in loaded:
+            self._prompts[b] = prompt
+        self._rt.next_traj += n
+        return []
 
     def _load_prompt(self, b: int, prompt: Prompt | None) -> None:
         s = self._rt.state
@@ -245,14 +300,24 @@ class TokenEnv(EnvBase):
         """Load the next prompts into ``slots`` (a partial reset) and return the observation of every slot."""
         self._copy_on_write()
         failed: list[tuple[int, PromptError]] = []
+        loaded: list[tuple[int, Prompt]] = []
         for b in slots:
             try:
-                self._fill_slot(b)
-                self._rt.done[b] = False
+                prompt = self._next_prompt()
+                if prompt is None:
+                    self._load_prompt(b, None)
+                    self._rt.done[b] = False
+                else:
+                    self._check_prompt_length(prompt)
+                    loaded.append((b, prompt))
             except PromptError as err:  # the slot idles, done: the next refill gives it the next prompt
                 self._rt.done[b], self._rt.state[keys.ACTIVE][b], self._prompts[b] = True, False, None
                 failed.append((b, err))
+        for b, err in self._load_prompts(loaded):
+            self._rt.done[b], self._rt.state[keys.ACTIVE][b], self._prompts[b] = True, False, None
+            failed.append((b, err))
         self._rt.is_reset = True
+        self._rt.any_done = bool(self._rt.done.any())
         zeros = torch.zeros(self.batch_size[0], 1, dtype=torch.bool)
         obs = self._observation(self._rt.done.unsqueeze(-1).clone(), zeros, zeros.clone())
         if failed:
@@ -271,6 +336,7 @@ class TokenEnv(EnvBase):
         for b in slots:
             self._rt.done[b] = False
             self._load_prompt(b, self._prompts[b])
+        self._rt.any_done = bool(self._rt.done.any())
         zeros = torch.zeros(self.batch_size[0], 1, dtype=torch.bool)
         return self._observation(self._rt.done.unsqueeze(-1).clone(), zeros, zeros.clone())
 
@@ -295,14 +361,13 @@ class TokenEnv(EnvBase):
         """
         nxt = self._step(tensordict)
         tensordict.set(keys.NEXT, nxt)
-        done = nxt.get(keys.DONE[1])
-        if bool(done.any()):
+        if self._rt.any_done:
             try:
-                return tensordict, self.refill(done.reshape(-1).nonzero().squeeze(-1).tolist())
+                return tensordict, self.refill(self._rt.done.nonzero().squeeze(-1).tolist())
             except PromptError as err:
                 err.step = tensordict  # the step itself succeeded: the caller records it
                 raise
-        return tensordict, self._observation(done, nxt.get(keys.TERMINATED[1]), nxt.get(keys.TRUNCATED[1]))
+        return tensordict, self._observation(nxt.get(keys.DONE[1]), nxt.get(keys.TERMINATED[1]), nxt.get(keys.TRUNCATED[1]))
 
     def _check_action(self, action) -> torch.Tensor:
         if not isinstance(action, torch.Tensor):
@@ -311,7 +376,7 @@ class TokenEnv(EnvBase):
             raise TypeError(f"action must be int64 token ids, got dtype {action.dtype}; use action.long()")
         if action.shape != self.batch_size:
             raise ValueError(f"action must have shape {tuple(self.batch_size)} (one token per slot), got {tuple(action.shape)}")
-        lo, hi = int(action.min()), int(action.max())
+        lo, hi = (int(x) for x in torch.aminmax(action))
         if lo < 0 or hi >= self.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"action {bad} is out of the vocabulary [0, {self.vocab_size}); check the policy's vocab")
@@ -319,15 +384,18 @@ class TokenEnv(EnvBase):
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         action, active, previous, new_len, resp_len, ended, limited = self._advance(tensordict)
-        end = TurnEnd(terminated=ended, truncated=limited & ~ended, reward=torch.zeros(self.batch_size[0], 1))
-        if bool((ended | limited).any()):
-            try:
-                end = self._end_turns(ended, limited, new_len)
-            except RewardFunctionError:
-                self._rollback(previous)
-                raise
+        B = self.batch_size[0]
+        if not bool((ended | limited).any()):  # the common step: no turn ends, nothing to score
+            flags = torch.zeros(3, B, 1, dtype=torch.bool).unbind(0)
+            self._commit(action, active, new_len, resp_len, flags[0].view(B), any_done=False)
+            return self._observation(*flags, torch.zeros(B, 1))
+        try:
+            end = self._end_turns(ended, limited, new_len)
+        except RewardFunctionError:
+            self._rollback(previous)
+            raise
         done = end.terminated | end.truncated
-        self._commit(action, active, new_len, resp_len, done)
+        self._commit(action, active, new_len, resp_len, done, any_done=bool(done.any()))
         self._continue_turns(end.appended, new_len)
         return self._observation(done.unsqueeze(-1), end.terminated.unsqueeze(-1), end.truncated.unsqueeze(-1),
                                  end.reward)  # fmt: skip
@@ -355,7 +423,7 @@ class TokenEnv(EnvBase):
         return action, active, previous, new_len, resp_len, ended, limited
 
     def _check_not_done(self, active: torch.Tensor) -> None:
-        if bool((self._rt.done & active).any()):
+        if self._rt.any_done and bool((self._rt.done & active).any()):
             slots = (self._rt.done & active).nonzero().squeeze(-1).tolist()
             raise ResetNeeded(f"slots {slots} are done; reset them (td['_reset']) or use env.step_and_maybe_reset")
 
@@ -363,12 +431,12 @@ class TokenEnv(EnvBase):
         """Undo :meth:`_advance`'s write: a failed step leaves no trace."""
         self._tokens[self._arange, self._rt.state[keys.SEQ_LEN]] = previous
 
-    def _commit(self, action, active, new_len, resp_len, done) -> None:
+    def _commit(self, action, active, new_len, resp_len, done, *, any_done: bool) -> None:
         """Make the step the env's state (only after every user callback succeeded)."""
         s = self._rt.state
         s[keys.TOKEN] = torch.where(active, action, s[keys.TOKEN])
         s[keys.SEQ_LEN], s[keys.RESPONSE_LEN] = new_len, resp_len
-        self._rt.done = done
+        self._rt.done, self._rt.any_done = done, any_done
 
     # -- turn ends (overridden by multi-turn envs) --
     def _end_turns(self, ended: torch.Tensor, limited: torch.Tensor, new_len: torch.Tensor) -> TurnEnd:
@@ -385,9 +453,9 @@ class TokenEnv(EnvBase):
         if self.reward_fn is None:
             return
         slots = slots.tolist()
-        p_len = self._rt.state[keys.PROMPT_LEN]
+        starts, ends = self._rt.state[keys.PROMPT_LEN].tolist(), new_len.tolist()  # two reads, not two per slot
         responses = self.tokenizer.batch_decode(
-            [self._tokens[b, int(p_len[b]) : int(new_len[b])] for b in slots], skip_special_tokens=True
+            [self._tokens[b, starts[b] : ends[b]] for b in slots], skip_special_tokens=True
         )
         prompts = [self._prompts[b] for b in slots]
         try:
@@ -438,7 +506,7 @@ class TokenEnv(EnvBase):
             raise
         done = end.terminated | end.truncated
         self._copy_on_write()
-        self._commit(steps.last_action, steps.in_wave, steps.new_len, steps.resp_len, done)
+        self._commit(steps.last_action, steps.in_wave, steps.new_len, steps.resp_len, done, any_done=bool(done.any()))
         self._continue_turns(end.appended, steps.new_len)
         return steps.to_tensordict(end, self._rt.state)
 
@@ -458,4 +526,5 @@ class _Runtime:
         self.state: dict[str, torch.Tensor] = {}
         self.done = torch.zeros(0, dtype=torch.bool)
         self.is_reset = False
+        self.any_done = False  # True while a slot is done and not refilled: kept with ``done``
         self.next_traj = 0

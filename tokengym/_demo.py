@@ -134,7 +134,7 @@ def build(config: DemoConfig, train_problems: list[dict], *, show_bar: bool = Fa
     model = tiny_model(tok, seed=config.seed)
     warm_start(model, tok, train_problems, config.warm_start_steps)
     ref = copy.deepcopy(model).eval()
-    env = TokenEnv(train_problems, tok, arithmetic_reward(), batch_size=16, max_new_tokens=config.max_new_tokens,
+    env = TokenEnv(train_problems, tok, arithmetic_reward(), batch_size=config.trajectories, max_new_tokens=config.max_new_tokens,
                    group_size=config.group_size, model_config=model.config, max_length=64, shuffle=True,
                    seed=config.seed)  # fmt: skip
     policy = TransformersPolicy(model, env, sampling=SamplingConfig(temperature=1.0), seed=config.seed)

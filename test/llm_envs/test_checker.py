@@ -137,11 +137,13 @@ def test_broken_env_is_named(tokenizer, corrupt, match):
 def test_reused_traj_id_is_named(tokenizer):
     env = make(tokenizer)
 
-    def fill(self, b):
-        TokenEnv._fill_slot(self, b)
-        self._rt.next_traj = 0  # every trajectory gets id 0
+    def load(self, loaded):
+        out = TokenEnv._load_prompts(self, loaded)
+        for b, _ in loaded:
+            self._rt.state[keys.TRAJ_ID][b] = 0  # every trajectory gets id 0
+        return out
 
-    env.__class__ = type("SameTrajIdEnv", (TokenEnv,), {"_fill_slot": fill})
+    env.__class__ = type("SameTrajIdEnv", (TokenEnv,), {"_load_prompts": load})
     with pytest.raises(
         ContractError, match="traj ids unique per new trajectory failed at step -1, slot 1: traj_id 0"
     ):
@@ -151,11 +153,13 @@ def test_reused_traj_id_is_named(tokenizer):
 def test_stale_response_len_after_reset_is_named(tokenizer):
     env = make(tokenizer)
 
-    def fill(self, b):
-        TokenEnv._fill_slot(self, b)
-        self._rt.state[keys.RESPONSE_LEN][b] = 2
+    def load(self, loaded):
+        out = TokenEnv._load_prompts(self, loaded)
+        for b, _ in loaded:
+            self._rt.state[keys.RESPONSE_LEN][b] = 2
+        return out
 
-    env.__class__ = type("StaleEnv", (TokenEnv,), {"_fill_slot": fill})
+    env.__class__ = type("StaleEnv", (TokenEnv,), {"_load_prompts": load})
     with pytest.raises(
         ContractError, match="a new trajectory starts empty failed at step -1, slot 0: response_len 2"
     ):
