@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import time
 from collections import defaultdict
 
 import pytest
@@ -101,3 +102,29 @@ def pytest_terminal_summary(terminalreporter):
         write("bytes stored per step and slot: " + ", ".join(f"max_length {k}: {v:.0f} B" for k, v in sorted(_BYTES.items())))
     if _TRL:
         _trl_table(write)
+
+
+def _interleaved(runs: dict, rounds: int, benchmark) -> dict[str, list[float]]:
+    """Tokens/s of each contestant in each of ``rounds`` rounds; a round runs all, in a rotated order."""
+    names = list(runs)
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    state = {"round": 0}
+    for name in names:  # warm-up: first prefill, lazy imports, allocator
+        runs[name]()
+
+    def one_round() -> None:
+        r = state["round"]
+        state["round"] += 1
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            tokens = runs[name]()
+            rates[name].append(tokens / (time.perf_counter() - start))
+
+    benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=0)
+    return rates
+
+
+@pytest.fixture
+def interleaved():
+    """``interleaved(runs, rounds, benchmark)``: tokens/s of each contestant per round, run in a rotated order."""
+    return _interleaved

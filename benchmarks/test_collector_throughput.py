@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import statistics
-import time
 
 import pytest
 import torch
@@ -274,30 +273,10 @@ CONTESTANTS = {
 }
 
 
-def interleaved(runs: dict, rounds: int, benchmark) -> dict[str, list[float]]:
-    """Tokens/s of each contestant in each of ``rounds`` rounds; a round runs all, in a rotated order."""
-    names = list(runs)
-    rates: dict[str, list[float]] = {n: [] for n in names}
-    state = {"round": 0}
-    for name in names:  # warm-up: first prefill, lazy imports, allocator
-        runs[name]()
-
-    def one_round() -> None:
-        r = state["round"]
-        state["round"] += 1
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
-            tokens = runs[name]()
-            rates[name].append(tokens / (time.perf_counter() - start))
-
-    benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=0)
-    return rates
-
-
 # torchrl's LLM stack builds a loss with deprecated torch arguments at import time
 @pytest.mark.filterwarnings("ignore:size_average and reduce args:UserWarning")
 @pytest.mark.parametrize("config", CONFIGS, ids=[f"{c.name}-B{c.B}" for c in CONFIGS])
-def test_collector_throughput(benchmark, throughput_table, config):
+def test_collector_throughput(benchmark, throughput_table, config, interleaved):
     job = _job(config)
     torch.manual_seed(0)
     runs = {n: make(job) for n, make in CONTESTANTS.items() if n != "torchrl" or config.with_torchrl}

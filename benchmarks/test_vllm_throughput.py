@@ -169,26 +169,6 @@ def _stepwise(tok, model, owner, B):
 CONTESTANTS = {"vllm generate": _vllm_generate, "vllm policy": _vllm_policy, "generate": _generate, "stepwise": _stepwise}
 
 
-def interleaved(runs: dict, rounds: int, benchmark) -> dict[str, list[float]]:
-    """Tokens/s of every contestant in each of ``rounds`` rounds; each round runs all, in a rotated order."""
-    names = list(runs)
-    rates: dict[str, list[float]] = {n: [] for n in names}
-    state = {"round": 0}
-    for name in names:  # warm-up: first prefill, lazy imports, allocator
-        runs[name]()
-
-    def one_round() -> None:
-        r = state["round"]
-        state["round"] += 1
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
-            tokens = runs[name]()
-            rates[name].append(tokens / (time.perf_counter() - start))
-
-    benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=0)
-    return rates
-
-
 def _median(values) -> float:
     return sorted(values)[len(values) // 2]
 
@@ -224,7 +204,7 @@ def _write_table(write) -> None:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[f"{c.name}-B{c.B}" for c in CONFIGS])
-def test_vllm_throughput(benchmark, tmp_path_factory, config):
+def test_vllm_throughput(benchmark, tmp_path_factory, config, interleaved):
     tok, model, owner = _engine(config, tmp_path_factory)
     torch.manual_seed(0)
     overhead: list[float] = []
