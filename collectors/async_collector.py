@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 from tensordict import TensorDictBase
 
+from tokengym.collectors.policy import weights_of
 from tokengym.collectors.token_collector import CollectMode
 from tokengym.llm_envs import keys
 
@@ -173,12 +174,9 @@ class AsyncCollector:
         """Publish new weights (a state_dict, a TensorDict of weights or the trained module); collection goes on
         and switches at its next step boundary. They are copied now, so training may go on at once.
         Returns the new version."""
-        weights = policy_or_weights if weights is None else weights
-        if isinstance(weights, torch.nn.Module):
-            weights = weights.state_dict()
-        if weights is None:
-            raise ValueError("AsyncCollector.update_policy_weights_ needs the new weights (a state_dict, a TensorDict "
-                             "or the trained module): the collector's policy holds its own copy of the model")  # fmt: skip
+        weights = weights_of(policy_or_weights, weights,
+                             missing="AsyncCollector.update_policy_weights_ needs the new weights (a state_dict, a TensorDict "
+                             "or the trained module): the collector's policy holds its own copy of the model")
         if isinstance(weights, TensorDictBase):
             weights = weights.detach().clone()
         else:

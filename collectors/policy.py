@@ -36,9 +36,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from tensordict import TensorDictBase
 
-__all__ = ["FunctionPolicy", "TokenPolicy", "as_token_policy", "check_policy", "is_token_policy", "supports_steps", "supports_waves"]
+__all__ = ["FunctionPolicy", "weights_of", "TokenPolicy", "as_token_policy", "check_policy", "is_token_policy", "supports_steps", "supports_waves"]
 
 Weights = Mapping[str, Any] | TensorDictBase
 
@@ -142,3 +143,14 @@ def as_token_policy(policy):
         return FunctionPolicy(policy)
     check_policy(policy)
     return policy
+
+
+def weights_of(policy_or_weights, weights, *, missing: str) -> Weights:
+    """The weights of an ``update_policy_weights_(policy_or_weights=None, *, weights=None)`` call: a
+    state_dict, a TensorDict of weights, or a module's ``state_dict()``; ``ValueError(missing)`` when none."""
+    weights = policy_or_weights if weights is None else weights
+    if isinstance(weights, torch.nn.Module):
+        weights = weights.state_dict()
+    if weights is None:
+        raise ValueError(missing)
+    return weights

@@ -19,6 +19,7 @@ from tokengym.collectors._ray_worker import (
     unpack_state,
     worker_seeds,
 )
+from tokengym.collectors.policy import weights_of
 from tokengym.collectors.token_collector import CollectMode, CollectorOptions
 from tokengym.llm_envs import PromptTable, keys
 
@@ -277,12 +278,9 @@ class RayTokenCollector:
         (its ``state_dict()``). The workers hold their own models, so the weights are required.
         """
         ray = _ray()
-        weights = policy_or_weights if weights is None else weights
-        if isinstance(weights, torch.nn.Module):
-            weights = weights.state_dict()
-        if weights is None:
-            raise ValueError("RayTokenCollector.update_policy_weights_ needs the weights (a state_dict, a TensorDict "
-                             "or the trained module): the workers hold their own copies of the model")  # fmt: skip
+        weights = weights_of(policy_or_weights, weights,
+                             missing="RayTokenCollector.update_policy_weights_ needs the weights (a state_dict, a TensorDict "
+                             "or the trained module): the workers hold their own copies of the model")
         ref = ray.put(pack_weights(weights))
         with self._lock:
             self.version += 1

@@ -11,6 +11,7 @@ from torchrl.envs import EnvBase
 
 from tokengym.llm_envs import keys
 from tokengym.llm_envs._env_checks import check_int, check_rewards, check_tokenizer, context_limit, eos_ids
+from tokengym.llm_envs._slots import write_prompts
 from tokengym.llm_envs._stop import StopChecker
 from tokengym.llm_envs.errors import PromptError, ResetNeeded, RewardFunctionError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
@@ -195,15 +196,6 @@ class TokenEnv(EnvBase):
         self._prompts = [None if p is None else Prompt(**p) for p in state["prompts"]]
 
     # -- reset --
-    def _fill_slot(self, b: int) -> None:
-        try:
-            prompt = self.source.next()
-        except PromptError:
-            raise
-        except (ValueError, KeyError, TypeError, OverflowError) as err:
-            raise PromptError(f"{type(err).__name__}: {err}") from err
-        self._load_prompt(b, prompt)
-
     def _next_prompt(self) -> Prompt | None:
         try:
             return self.source.next()
@@ -220,13 +212,20 @@ class TokenEnv(EnvBase):
                 "(prompt + response); shorten the prompt or raise max_length"
             )
 
+    def _check_prompt_ids(self, prompt: Prompt) -> None:
+        lo, hi = (int(x) for x in torch.aminmax(prompt.ids))
+        if lo < 0 or hi >= self.vocab_size:
+            raise PromptError(
+                f"prompt {prompt.index} {prompt.text[:60]!r} holds token id {lo if lo < 0 else hi}, outside the "
+                f"vocabulary [0, {self.vocab_size}); encode it with the env's tokenizer (or pass model_config)"
+            )
+
     def _load_prompts(self, loaded: list[tuple[int, Prompt]]) -> list[tuple[int, PromptError]]:
         """Load several slots' prompts with a few vectorized writes (not a dozen scalar writes per slot);
         returns the (slot, error) of prompts whose ids are outside the vocabulary (those slots are not loaded)."""
-        ids = torch.cat([p.ids for _, p in loaded]) if loaded else None
-        if ids is None or not len(ids):
+        if not loaded:
             return []
-        lo, hi = (int(x) for x in torch.aminmax(ids))
+        lo, hi = (int(x) for x in torch.aminmax(torch.cat([p.ids for _, p in loaded])))
         if lo < 0 or hi >= self.vocab_size:  # rare: find the prompts at fault, load the others one by one
             failed = []
             for b, prompt in loaded:
@@ -236,57 +235,26 @@ class TokenEnv(EnvBase):
                 except PromptError as err:
                     failed.append((b, err))
             return failed
-        s, n = self._rt.state, len(loaded)
-        slots = torch.tensor([b for b, _ in loaded])
-        lens = torch.tensor([p.ids.numel() for _, p in loaded])
-        ends = lens.cumsum(0)
-        rows = torch.repeat_interleave(slots, lens)
-        cols = torch.arange(len(ids)) - torch.repeat_interleave(ends - lens, lens)
-        self._tokens[rows, cols] = ids
-        s[keys.TOKEN][slots] = ids[ends - 1]
-        s[keys.SEQ_LEN][slots] = lens
-        s[keys.PROMPT_LEN][slots] = lens
-        s[keys.RESPONSE_LEN][slots] = 0
-        s[keys.TURN][slots] = 0
-        s[keys.TRAJ_ID][slots] = torch.arange(self._rt.next_traj, self._rt.next_traj + n)
-        s[keys.GROUP_ID][slots] = torch.tensor([p.group_id for _, p in loaded])
-        s[keys.SAMPLE_ID][slots] = torch.tensor([p.sample_id for _, p in loaded])
-        s[keys.ACTIVE][slots] = True
-        self._rt.done[slots] = False
+        write_prompts(self._tokens, self._rt.state, loaded, self._rt.next_traj)
         for b, prompt in loaded:
             self._prompts[b] = prompt
-        self._rt.next_traj += n
+            self._rt.done[b] = False
+        self._rt.next_traj += len(loaded)
         return []
 
     def _load_prompt(self, b: int, prompt: Prompt | None) -> None:
+        """Load one slot (``None``: the source is exhausted and the slot idles with an empty sequence)."""
         s = self._rt.state
-        self._prompts[b] = prompt
-        s[keys.RESPONSE_LEN][b] = 0
-        s[keys.TURN][b] = 0
-        if prompt is None:  # source exhausted: the slot idles, holding an empty sequence
+        if prompt is None:
+            self._prompts[b] = None
+            s[keys.RESPONSE_LEN][b] = s[keys.TURN][b] = 0
             s[keys.ACTIVE][b] = False
             s[keys.SEQ_LEN][b] = s[keys.PROMPT_LEN][b] = 0  # a stale seq_len may equal max_length
             return
-        n = prompt.ids.numel()
-        if n >= self.max_length:
-            raise PromptError(
-                f"prompt {prompt.index} {prompt.text[:60]!r} has {n} tokens but max_length is {self.max_length} "
-                "(prompt + response); shorten the prompt or raise max_length"
-            )
-        lo, hi = int(prompt.ids.min()), int(prompt.ids.max())
-        if lo < 0 or hi >= self.vocab_size:
-            raise PromptError(
-                f"prompt {prompt.index} {prompt.text[:60]!r} holds token id {lo if lo < 0 else hi}, outside the "
-                f"vocabulary [0, {self.vocab_size}); encode it with the env's tokenizer (or pass model_config)"
-            )
-        self._tokens[b, :n] = prompt.ids
-        s[keys.TOKEN][b] = prompt.ids[-1]
-        s[keys.SEQ_LEN][b] = n
-        s[keys.PROMPT_LEN][b] = n
-        s[keys.TRAJ_ID][b] = self._rt.next_traj
-        s[keys.GROUP_ID][b] = prompt.group_id
-        s[keys.SAMPLE_ID][b] = prompt.sample_id
-        s[keys.ACTIVE][b] = True
+        self._check_prompt_length(prompt)
+        self._check_prompt_ids(prompt)
+        write_prompts(self._tokens, s, [(b, prompt)], self._rt.next_traj)
+        self._prompts[b] = prompt
         self._rt.next_traj += 1
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
@@ -317,9 +285,7 @@ class TokenEnv(EnvBase):
             self._rt.done[b], self._rt.state[keys.ACTIVE][b], self._prompts[b] = True, False, None
             failed.append((b, err))
         self._rt.is_reset = True
-        self._rt.any_done = bool(self._rt.done.any())
-        zeros = torch.zeros(self.batch_size[0], 1, dtype=torch.bool)
-        obs = self._observation(self._rt.done.unsqueeze(-1).clone(), zeros, zeros.clone())
+        obs = self._reset_observation()
         if failed:
             b, err = failed[0]
             raise PromptError(
@@ -336,6 +302,10 @@ class TokenEnv(EnvBase):
         for b in slots:
             self._rt.done[b] = False
             self._load_prompt(b, self._prompts[b])
+        return self._reset_observation()
+
+    def _reset_observation(self) -> TensorDictBase:
+        """The observation after a (partial) reset: done only where a slot could not be loaded."""
         self._rt.any_done = bool(self._rt.done.any())
         zeros = torch.zeros(self.batch_size[0], 1, dtype=torch.bool)
         return self._observation(self._rt.done.unsqueeze(-1).clone(), zeros, zeros.clone())

@@ -8,9 +8,8 @@ import threading
 import time
 
 import pytest
+import ray  # noqa: E402 - the "ray" extra; `make test` installs it
 import torch
-
-ray = pytest.importorskip("ray")  # the "ray" extra; `make test` installs it
 from ray import cloudpickle  # noqa: E402
 
 from tokengym.collectors import TokenCollector, TransformersPolicy  # noqa: E402

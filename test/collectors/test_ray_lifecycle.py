@@ -8,8 +8,7 @@ import sys
 import time
 
 import pytest
-
-ray = pytest.importorskip("ray")  # the "ray" extra; `make test` installs it
+import ray  # noqa: E402 - the "ray" extra; `make test` installs it
 from ray import cloudpickle  # noqa: E402
 
 from tokengym.collectors import TransformersPolicy  # noqa: E402
