@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 from tensordict import TensorDictBase
 
-from tokengym.collectors.policy import weights_of
+from tokengym.collectors.policies.protocol import weights_of
 from tokengym.collectors.token_collector import CollectMode
 from tokengym.llm_envs import keys
 

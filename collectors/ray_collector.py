@@ -19,7 +19,7 @@ from tokengym.collectors._ray_worker import (
     unpack_state,
     worker_seeds,
 )
-from tokengym.collectors.policy import weights_of
+from tokengym.collectors.policies.protocol import weights_of
 from tokengym.collectors.token_collector import CollectMode, CollectorOptions
 from tokengym.llm_envs import PromptTable, keys
 

@@ -11,7 +11,7 @@ from enum import StrEnum
 import torch
 from tensordict import TensorDict
 
-from tokengym.collectors.policy import supports_steps, supports_waves
+from tokengym.collectors.policies.protocol import supports_steps, supports_waves
 from tokengym.collectors.recorders import Step, flat_name
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.errors import PromptError

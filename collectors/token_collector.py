@@ -12,7 +12,7 @@ from tensordict import TensorDictBase
 
 from tokengym.collectors._checkpoint import collector_state, load_collector_state
 from tokengym.collectors._metrics import batch_metrics
-from tokengym.collectors.policy import as_token_policy
+from tokengym.collectors.policies.protocol import as_token_policy
 from tokengym.collectors.recorders import Step, StepRecorder, TrajectoryRecorder
 from tokengym.collectors.sources import SourceKind, make_source
 from tokengym.llm_envs import PromptTable, TokenEnv, keys

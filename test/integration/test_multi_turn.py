@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tokengym.collectors import TokenCollector, TransformersPolicy
-from tokengym.collectors.sequence_actor import SequenceActor
+from tokengym.collectors.policies.sequence_actor import SequenceActor
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
 from tokengym.llm_envs.tasks import make_multi_turn_math_env

@@ -96,7 +96,7 @@ def check_policy(policy) -> None:
     if missing:
         raise TypeError(
             f"{type(policy).__name__} is not a TokenPolicy: it lacks {missing}; "
-            "see tokengym.collectors.policy.TokenPolicy"
+            "see tokengym.collectors.policies.protocol.TokenPolicy"
         )
 
 

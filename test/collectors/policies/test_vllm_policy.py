@@ -13,7 +13,7 @@ from tensordict import TensorDict
 from transformers import GPT2LMHeadModel, Qwen2ForCausalLM
 
 from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
-from tokengym.collectors.vllm_policy import VLLMPolicy
+from tokengym.collectors.policies.vllm_policy import VLLMPolicy
 from tokengym.llm_envs import MultiTurnTokenEnv, PromptTable, TokenEnv, Turn, keys
 from tokengym.llm_envs.waves import WaveRequest
 from tokengym.testing import tiny_model, tiny_tokenizer

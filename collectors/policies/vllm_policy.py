@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from tokengym.collectors._vllm_engine import (
+from tokengym.collectors.policies._vllm_engine import (
     checkpoint_shapes,
     import_vllm,
     read_checkpoint,
@@ -34,7 +34,7 @@ from tokengym.collectors._vllm_engine import (
     tied_outputs,
     weight_items,
 )
-from tokengym.collectors.sampling import SamplingConfig
+from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["VLLMPolicy"]

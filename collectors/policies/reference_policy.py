@@ -6,7 +6,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
-from tokengym.collectors.kv_cache import SlotKVCache
+from tokengym.collectors.policies.kv_cache import SlotKVCache
 from tokengym.llm_envs import keys
 
 __all__ = ["PolicyWithReference", "StepwiseReference"]

@@ -7,8 +7,8 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from tokengym.collectors.kv_cache import SlotKVCache
-from tokengym.collectors.sampling import SamplingConfig, sample_tokens
+from tokengym.collectors.policies.kv_cache import SlotKVCache
+from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
@@ -109,7 +109,7 @@ class TransformersPolicy(TensorDictModuleBase):
         reproduces ``action_log_prob`` of a batch collected under the same weights. With
         ``with_entropy`` also returns the per-step entropy (N, T). Padding steps hold 0.
         """
-        from tokengym.collectors.sequence_actor import SequenceActor
+        from tokengym.collectors.policies.sequence_actor import SequenceActor
 
         actor = SequenceActor(self.model, pad_token_id=self.env.tokenizer.pad_token_id,
                               temperature=self.sampling.temperature)  # fmt: skip
