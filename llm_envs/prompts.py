@@ -23,6 +23,8 @@ class Prompt:
         index: position of the item in its source (stable across epochs).
         group_id: increasing id of this draw of the item; its ``group_size`` samples share it.
         sample_id: index of the sample within its group, ``0 .. group_size - 1``.
+        messages: the chat messages of a chat prompt (before the template), else ``None``; a TRL
+            reward function receives them as ``prompts``, as TRL passes a conversational dataset's.
     """
 
     ids: torch.Tensor
@@ -31,6 +33,7 @@ class Prompt:
     index: int
     group_id: int
     sample_id: int
+    messages: list | None = None
 
 
 class PromptSource:
@@ -134,12 +137,11 @@ class PromptSource:
                 self.is_exhausted = True
                 return None
             index, item = nxt
-            ids, text, meta = self._encode_cached(item, index)
-            self._current, self._sample = (index, ids, text, meta), 0
+            self._current, self._sample = (index, *self._encode_cached(item, index)), 0
             self._group += 1
-        index, ids, text, meta = self._current
+        index, ids, text, meta, messages = self._current
         self._sample += 1
-        return Prompt(ids, text, meta, index, self._group - 1, self._sample - 1)
+        return Prompt(ids, text, meta, index, self._group - 1, self._sample - 1, messages)
 
     def shard(self, index: int, num_shards: int) -> PromptSource:
         """Keep only the groups whose id ``g`` has ``g % num_shards == index`` (in place; returns ``self``).
@@ -179,31 +181,35 @@ class PromptSource:
             if self._sample:  # re-encode the group in progress
                 self._pos -= 1
                 index, item = self._next_item()
-                self._current = (index, *self.encode(item, index))
+                self._current = (index, *self._encode_item(item, index))
             return
         self._iter, self._pos = iter(self.prompts), 0
         for _ in range(state["pos"] - (1 if self._sample else 0)):
             self._next_item()
         if self._sample:
             index, item = self._next_item()
-            self._current = (index, *self.encode(item, index))
+            self._current = (index, *self._encode_item(item, index))
 
     # -- encoding --
     _CACHE_SIZE = 65_536
 
-    def _encode_cached(self, item, index: int) -> tuple[torch.Tensor, str, dict]:
+    def _encode_cached(self, item, index: int) -> tuple[torch.Tensor, str, dict, list | None]:
         """Encode a sized source's item once across epochs (bounded cache); iterables every time."""
         if not self.is_sized:
-            return self.encode(item, index)
+            return self._encode_item(item, index)
         cache = self.__dict__.setdefault("_cache", {})
         if index not in cache:
             if len(cache) >= self._CACHE_SIZE:
                 cache.pop(next(iter(cache)))
-            cache[index] = self.encode(item, index)
+            cache[index] = self._encode_item(item, index)
         return cache[index]
 
     def encode(self, item, index: int) -> tuple[torch.Tensor, str, dict]:
         """Token ids, text and metadata of one item; raises ``ValueError`` for an empty prompt."""
+        return self._encode_item(item, index)[:3]
+
+    def _encode_item(self, item, index: int) -> tuple[torch.Tensor, str, dict, list | None]:
+        """:meth:`encode` plus the chat messages of a chat prompt (``None`` for other prompts)."""
         meta: dict = {}
         if isinstance(item, Mapping):
             field = next((f for f in _PROMPT_FIELDS if f in item), None)
@@ -217,7 +223,7 @@ class PromptSource:
         ids, text = self._tokenize(item, index)
         if ids.numel() == 0:
             raise ValueError(f"prompt item {index} is empty ({item!r}): every prompt needs at least one token")
-        return ids, text, meta
+        return ids, text, meta, _chat_messages(item)
 
     def _tokenize(self, item, index: int) -> tuple[torch.Tensor, str]:
         tok = self.tokenizer
@@ -247,3 +253,10 @@ class PromptSource:
             f"prompt item {index} has type {type(item).__name__} ({item!r:.60}); expected a string, "
             "a list of chat messages, a list of token ids or a mapping with a 'prompt' field"
         )
+
+
+def _chat_messages(item) -> list | None:
+    """``item`` as a list of message dicts if it is a chat prompt, else ``None``."""
+    if isinstance(item, Sequence) and not isinstance(item, str) and len(item) and all(isinstance(m, Mapping) for m in item):
+        return [dict(m) for m in item]
+    return None

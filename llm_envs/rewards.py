@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tokengym.llm_envs.trl_rewards import as_reward_fn
+
 __all__ = [
     "CombinedReward",
     "FormatReward",
@@ -298,7 +300,8 @@ class CombinedReward:
     """Weighted sum of reward functions.
 
     Args:
-        reward_fns: the reward functions, each ``fn(responses, prompts, metadata) -> floats``.
+        reward_fns: the reward functions, each ``fn(responses, prompts, metadata) -> floats`` or a TRL
+            reward function ``f(prompts, completions, **columns)`` (called as TRL calls it).
         weights: one weight per function; ``None`` weighs each by 1.
 
     Example:
@@ -318,13 +321,15 @@ class CombinedReward:
             raise ValueError(
                 f"got {len(weights)} weights for {len(reward_fns)} reward functions; give one weight per function"
             )
-        self.reward_fns = list(reward_fns)
+        self.reward_fns = [as_reward_fn(fn) for fn in reward_fns]
         self.weights = [_check_number("weight", w) for w in weights]
+        self.use_trl_inputs = any(getattr(fn, "use_trl_inputs", False) for fn in self.reward_fns)
 
-    def __call__(self, responses: list[str], prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+    def __call__(self, responses: list[str], prompts: list[str], metadata: list[dict], **trl_inputs) -> torch.Tensor:
         total = torch.zeros(len(responses), dtype=torch.float32)
         for fn, weight in zip(self.reward_fns, self.weights, strict=True):
-            values = torch.as_tensor(fn(responses, prompts, metadata), dtype=torch.float32).reshape(-1)
+            extra = trl_inputs if getattr(fn, "use_trl_inputs", False) else {}
+            values = torch.as_tensor(fn(responses, prompts, metadata, **extra), dtype=torch.float32).reshape(-1)
             if values.numel() != len(responses):
                 raise ValueError(
                     f"reward function {fn!r} returned {values.numel()} values for {len(responses)} responses; "

@@ -15,6 +15,7 @@ from tokengym.llm_envs._slots import write_prompts
 from tokengym.llm_envs._stop import StopChecker
 from tokengym.llm_envs.errors import PromptError, ResetNeeded, RewardFunctionError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
+from tokengym.llm_envs.trl_rewards import as_reward_fn
 from tokengym.llm_envs.unroll import TurnEnd, WaveSteps, unroll_wave
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
@@ -41,7 +42,9 @@ class TokenEnv(EnvBase):
             field (other fields become metadata), any iterable of those, a ``datasets.Dataset``, or a
             :class:`~tokengym.llm_envs.prompts.PromptSource`.
         tokenizer: a transformers tokenizer with ``pad_token_id`` and ``eos_token_id``.
-        reward_fn: ``fn(responses, prompts, metadata) -> floats`` (one per finished slot), or ``None``.
+        reward_fn: ``fn(responses, prompts, metadata) -> floats`` (one per finished slot), a TRL reward
+            function ``f(prompts, completions, **columns)`` (detected by its ``completions`` parameter and
+            called as TRL calls it, see :mod:`~tokengym.llm_envs.trl_rewards`), or ``None``.
         batch_size: number of parallel slots ``B``.
         max_new_tokens: response budget per trajectory (``truncated`` when reached).
         group_size: samples per prompt; they share ``group_id`` (TRL's ``num_generations``, verl's ``rollout.n``).
@@ -90,7 +93,7 @@ class TokenEnv(EnvBase):
             self.source = prompts
         else:
             self.source = PromptSource(prompts, tokenizer, group_size=group_size, shuffle=shuffle, seed=seed)
-        self.tokenizer, self.reward_fn, self.max_new_tokens = tokenizer, reward_fn, max_new_tokens
+        self.tokenizer, self.reward_fn, self.max_new_tokens = tokenizer, as_reward_fn(reward_fn), max_new_tokens
         self.max_length = max_length if max_length is not None else context_limit(tokenizer, model_config)
         check_int("max_length", self.max_length)
         self.vocab_size = len(tokenizer)
@@ -428,8 +431,12 @@ class TokenEnv(EnvBase):
             [self._tokens[b, starts[b] : ends[b]] for b in slots], skip_special_tokens=True
         )
         prompts = [self._prompts[b] for b in slots]
+        trl = {}  # a TRL-style reward function also gets the completion ids and the chat messages, as in TRL
+        if getattr(self.reward_fn, "use_trl_inputs", False):
+            trl = {"completion_ids": [self._tokens[b, starts[b] : ends[b]].tolist() for b in slots],
+                   "chat_prompts": [p.messages for p in prompts]}  # fmt: skip
         try:
-            values = self.reward_fn(responses, [p.text for p in prompts], [p.metadata for p in prompts])
+            values = self.reward_fn(responses, [p.text for p in prompts], [p.metadata for p in prompts], **trl)
         except Exception as err:
             first = prompts[0]
             raise RewardFunctionError(
