@@ -86,6 +86,7 @@ VERSION_END = ("collector", "version_end")  # int64 (N, T) policy version of its
 # TorchRL's LLM layout (``torchrl.objectives.llm.GRPOLoss`` reads these by default)
 TOKENS = ("tokens", "full")  # int64 (N, L) left-padded prompt + right-padded response
 LOG_PROBS = ("log_probs", "full")  # float32 (N, L) sampling log-prob of each generated token, 0 elsewhere
+REF_LOG_PROBS = ("next", "ref_log_probs", "full")  # float32 (N, L) reference log-prob of each generated token
 ATTENTION_MASK = "attention_mask"  # bool (N, L)
 ACTION_MASK = "action_mask"  # bool (N, L) True on tokens the policy generated
 POSITION_IDS = "position_ids"  # int64 (N, L) / packed (1, sum L)

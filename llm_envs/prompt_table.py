@@ -14,15 +14,22 @@ class PromptTable:
     of the trajectories in that batch, so the full sequence of a trajectory is
     ``cat(table.ids(group_id), response actions)`` and is never stored per step.
 
+    Args:
+        pad_token_id: the env tokenizer's pad token id (a tokengym collector records it), the
+            default padding of the layouts built from the batch (``to_padded``, ``SequenceActor``...).
+
     Example:
-        >>> table = PromptTable()
+        >>> table = PromptTable(pad_token_id=0)
         >>> table.add(7, torch.tensor([5, 6, 7]), text="hi", metadata={"answer": "3"})
         >>> tokens, lengths = table.left_padded(torch.tensor([7, 7]), pad_id=0)
         >>> tokens.tolist(), lengths.tolist()
         ([[5, 6, 7], [5, 6, 7]], [3, 3])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, pad_token_id: int | None = None) -> None:
+        if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)):
+            raise TypeError(f"pad_token_id must be an int (tokenizer.pad_token_id) or None, got {pad_token_id!r}")
+        self.pad_token_id = pad_token_id
         self._ids: dict[int, torch.Tensor] = {}
         self._text: dict[int, str] = {}
         self._meta: dict[int, dict] = {}
@@ -78,7 +85,7 @@ class PromptTable:
 
     def subset(self, group_ids, traj_ids=None) -> PromptTable:
         """A new table with only ``group_ids`` and the sequences of ``traj_ids`` held (shares the tensors)."""
-        out = PromptTable()
+        out = PromptTable(pad_token_id=self.pad_token_id)
         for gid in dict.fromkeys(int(g) for g in torch.as_tensor(group_ids).reshape(-1).tolist()):
             out.add(gid, self.ids(gid), text=self.text(gid), metadata=self.metadata(gid))
         if traj_ids is not None:
@@ -88,7 +95,9 @@ class PromptTable:
         return out
 
     def merge(self, other: PromptTable) -> PromptTable:
-        """Add every prompt of ``other`` to this table and return it."""
+        """Add every prompt of ``other`` to this table and return it (a table without a pad id takes ``other``'s)."""
+        if self.pad_token_id is None:
+            self.pad_token_id = other.pad_token_id
         for gid in other.group_ids():
             self.add(gid, other.ids(gid), text=other.text(gid), metadata=other.metadata(gid))
         for tid in other.traj_ids():
@@ -111,12 +120,13 @@ class PromptTable:
         """The table as tensors, strings, lists and dicts (``torch.load(weights_only=True)`` reads it)."""
         groups = list(self._ids)
         return {"groups": groups, "ids": [self._ids[g] for g in groups], "text": [self._text[g] for g in groups],
-                "metadata": [self._meta[g] for g in groups], "sequences": dict(self._sequences)}  # fmt: skip
+                "metadata": [self._meta[g] for g in groups], "sequences": dict(self._sequences),
+                "pad_token_id": self.pad_token_id}  # fmt: skip
 
     @classmethod
     def from_state_dict(cls, state: dict) -> PromptTable:
         """Rebuild a table saved by :meth:`state_dict`."""
-        out = cls()
+        out = cls(pad_token_id=state.get("pad_token_id"))
         for gid, ids, text, meta in zip(state["groups"], state["ids"], state["text"], state["metadata"], strict=True):
             out.add(gid, ids, text=text, metadata=meta)
         for tid, ids in state["sequences"].items():
@@ -124,4 +134,4 @@ class PromptTable:
         return out
 
     def __repr__(self) -> str:
-        return f"PromptTable(groups={len(self)})"
+        return f"PromptTable(groups={len(self)}, pad_token_id={self.pad_token_id})"

@@ -64,7 +64,7 @@ def make_trajectory_batch(lengths, rewards=None, *, group_size: int = 1, steps: 
     group = (rows // group_size)[:, None].expand(n, width)
     prompt_lens = prompt_len + group[:, 0] % 3
     log_prob = -torch.rand(n, width, generator=gen) * 3 * mask
-    table = PromptTable()
+    table = PromptTable(pad_token_id=0)
     for g in group[:, 0].unique().tolist():
         table.add(g, torch.randint(2, vocab, (prompt_len + g % 3,), generator=gen))
     i64 = {"dtype": torch.int64}

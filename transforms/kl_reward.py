@@ -133,7 +133,8 @@ class KLRewardTransform(BatchTransform):
         ref_model: reference causal LM scored once per batch; None reads ``keys.REF_LOG_PROB``.
         estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``.
         log_prob_key: the policy log-prob ("logp"); ``keys.ACTION_LOG_PROB`` by default.
-        pad_id: padding token id for the reference forward.
+        pad_id: padding token id for the reference forward; ``None`` takes the batch's PromptTable's
+            (the env tokenizer's ``pad_token_id``) and raises a ``ValueError`` when it records none.
         k3_clamp: ``"output"`` (default: a token's k3 is at most 10, as in the seeds) or ``"log_ratio"``
             (see :func:`kl_estimate`).
 
@@ -147,7 +148,7 @@ class KLRewardTransform(BatchTransform):
     """
 
     def __init__(self, *, beta: float | None = None, controller: KLController | None = None, ref_model=None,
-                 estimator: str | KLEstimator = "k1", log_prob_key=keys.ACTION_LOG_PROB, pad_id: int = 0,
+                 estimator: str | KLEstimator = "k1", log_prob_key=keys.ACTION_LOG_PROB, pad_id: int | None = None,
                  k3_clamp: str | K3Clamp = "output") -> None:  # fmt: skip
         if controller is not None and beta is not None:
             raise ValueError(f"pass either beta ({beta}) or controller ({controller!r}), not both; "

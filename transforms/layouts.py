@@ -13,21 +13,25 @@ from tensordict import TensorDict, TensorDictBase
 
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.prompt_table import PromptTable
-from tokengym.transforms._checks import check_batch, found_keys
+from tokengym.transforms._checks import check_batch, found_keys, get_prompts
 from tokengym.transforms.group_advantages import sequence_scores
-from tokengym.transforms.sequences import sequence_layout
+from tokengym.transforms.sequences import pad_token_id_of, sequence_layout
 
 __all__ = ["to_padded", "padded_to_steps", "to_packed", "dpo_pairs"]
 
 # the nested TorchRL keys are dropped whole (excluding a leaf would leave an empty sub-TensorDict)
-_LAYOUT_KEYS = (keys.TOKENS[0], keys.LOG_PROBS[0], keys.ATTENTION_MASK, keys.ACTION_MASK, keys.POSITION_IDS)
+_LAYOUT_KEYS = (keys.TOKENS[0], keys.LOG_PROBS[0], keys.REF_LOG_PROBS[:2], keys.ATTENTION_MASK, keys.ACTION_MASK,
+                keys.POSITION_IDS)
 
 
-def to_padded(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_id: int = 0) -> TensorDictBase:
+def to_padded(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_id: int | None = None) -> TensorDictBase:
     """Padded sequence layout [N, P + T]: left-padded prompt + right-padded response, one row per trajectory.
 
-    Writes ``keys.TOKENS``, ``keys.LOG_PROBS`` (TorchRL's ``("tokens", "full")`` and
-    ``("log_probs", "full")``, what ``GRPOLoss`` reads), ``keys.ATTENTION_MASK``, ``keys.ACTION_MASK``
+    Writes every key TorchRL's ``GRPOLoss`` reads by default: ``keys.TOKENS`` (``("tokens", "full")``),
+    ``keys.LOG_PROBS`` (``("log_probs", "full")``), ``keys.ADVANTAGE`` (when the batch has it) and,
+    when the batch holds reference log-probs (``keys.REF_LOG_PROB``, from ``PolicyWithReference`` or
+    ``KLRewardTransform``), ``keys.REF_LOG_PROBS`` (``("next", "ref_log_probs", "full")``, what
+    ``GRPOLoss(kl_to_ref_coeff=...)`` reads); also ``keys.ATTENTION_MASK``, ``keys.ACTION_MASK``
     (generated tokens), ``keys.POSITION_IDS`` and, token-aligned in the response columns, every step key of ``batch``
     (0 / False in the prompt columns). ``keys.RESPONSE_START`` (non-tensor) holds ``P``.
     Multi-turn rows (``keys.TURN > 0``) hold their full sequence from the PromptTable: env feedback
@@ -37,16 +41,18 @@ def to_padded(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_
     Args:
         batch: TRAJECTORIES batch [N, T] (see :func:`~tokengym.transforms.split_trajectories`).
         prompts: the PromptTable; defaults to the one under ``keys.PROMPTS``.
-        pad_id: padding token id.
+        pad_id: padding token id; ``None`` takes the PromptTable's (the env tokenizer's ``pad_token_id``,
+            recorded by the collector) and raises a ``ValueError`` when it records none.
 
     Example:
-        >>> table = PromptTable(); table.add(0, torch.tensor([7, 8]))
+        >>> table = PromptTable(pad_token_id=0); table.add(0, torch.tensor([7, 8]))
         >>> b = TensorDict({keys.ACTION: torch.tensor([[3, 4], [5, 6]]), keys.GROUP_ID: torch.zeros(2, 2, dtype=torch.long),
         ...                 keys.TRAJ_ID: torch.tensor([[0, 0], [1, 1]]), keys.MASK: torch.tensor([[1, 1], [1, 0]]).bool()}, [2, 2])
         >>> p = to_padded(b, table)
         >>> p[keys.TOKENS].tolist(), p[keys.ACTION_MASK].tolist()
         ([[7, 8, 3, 4], [7, 8, 5, 0]], [[False, False, True, True], [False, False, True, False]])
     """
+    pad_id = pad_token_id_of(get_prompts(batch, prompts, "to_padded"), pad_id, "to_padded")
     layout = sequence_layout(batch, prompts, pad_id=pad_id)
     tokens, attention_mask, width = layout.tokens, layout.attention_mask, layout.response_start
     n, steps = batch.batch_size
@@ -69,6 +75,8 @@ def to_padded(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_
     out.set(keys.TOKENS, tokens)
     if keys.ACTION_LOG_PROB in out.keys():
         out.set(keys.LOG_PROBS, out.get(keys.ACTION_LOG_PROB))
+    if keys.REF_LOG_PROB in out.keys():
+        out.set(keys.REF_LOG_PROBS, out.get(keys.REF_LOG_PROB))
     out.set(keys.ATTENTION_MASK, attention_mask)
     out.set(keys.ACTION_MASK, action_mask)
     out.set(keys.POSITION_IDS, (attention_mask.long().cumsum(-1) - 1).clamp(min=0))
@@ -82,7 +90,7 @@ def padded_to_steps(padded: TensorDictBase) -> TensorDictBase:
     """The step batch [N, T] a padded layout came from (inverse of :func:`to_padded`).
 
     Example:
-        >>> table = PromptTable(); table.add(0, torch.tensor([7]))
+        >>> table = PromptTable(pad_token_id=0); table.add(0, torch.tensor([7]))
         >>> b = TensorDict({keys.ACTION: torch.tensor([[3, 4]]), keys.GROUP_ID: torch.zeros(1, 2, dtype=torch.long),
         ...                 keys.TRAJ_ID: torch.zeros(1, 2, dtype=torch.long)}, [1, 2])
         >>> (padded_to_steps(to_padded(b, table)) == b).all()
@@ -129,7 +137,7 @@ def _step_columns(padded: TensorDictBase, width: int) -> torch.Tensor | None:
     return width + torch.where(t < n_steps[:, None], order, pad_cols)
 
 
-def to_packed(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_id: int = 0) -> TensorDictBase:
+def to_packed(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_id: int | None = None) -> TensorDictBase:
     """Packed layout: every sequence's prompt + response tokens concatenated, no padding.
 
     Returns a TensorDict (batch_size ``[]``) with every key of :func:`to_padded` as (1, S, ...)
@@ -137,7 +145,7 @@ def to_packed(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_
     ``keys.SEQ_OFFSETS`` (N + 1,) so sequence ``i`` is ``[offsets[i], offsets[i + 1])``.
 
     Example:
-        >>> table = PromptTable(); table.add(0, torch.tensor([7, 8]))
+        >>> table = PromptTable(pad_token_id=0); table.add(0, torch.tensor([7, 8]))
         >>> b = TensorDict({keys.ACTION: torch.tensor([[3, 4], [5, 6]]), keys.GROUP_ID: torch.zeros(2, 2, dtype=torch.long),
         ...                 keys.TRAJ_ID: torch.tensor([[0, 0], [1, 1]]), keys.MASK: torch.tensor([[1, 1], [1, 0]]).bool()}, [2, 2])
         >>> p = to_packed(b, table)
@@ -156,7 +164,7 @@ def to_packed(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_
     return packed
 
 
-def dpo_pairs(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_id: int = 0,
+def dpo_pairs(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_id: int | None = None,
               reward_key=keys.REWARD) -> TensorDictBase:  # fmt: skip
     """DPO pairs: per group, the highest-scoring trajectory (chosen) and the lowest (rejected).
 
@@ -167,7 +175,7 @@ def dpo_pairs(batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_
         TensorDict [G, L] with ``keys.CHOSEN`` and ``keys.REJECTED``, each a padded layout.
 
     Example:
-        >>> table = PromptTable(); table.add(0, torch.tensor([7]))
+        >>> table = PromptTable(pad_token_id=0); table.add(0, torch.tensor([7]))
         >>> done = torch.tensor([[[False], [True]]] * 3)
         >>> b = TensorDict({keys.ACTION: torch.tensor([[3, 4], [5, 6], [1, 2]]), keys.GROUP_ID: torch.zeros(3, 2, dtype=torch.long),
         ...                 keys.TRAJ_ID: torch.tensor([[0, 0], [1, 1], [2, 2]]), keys.RESPONSE_LEN: torch.tensor([[0, 1]] * 3),

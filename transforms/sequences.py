@@ -153,17 +153,37 @@ def _tails(batch, table, mask, multi, lengths, pad_id, owner) -> tuple[list[torc
     return tails, offsets
 
 
+def pad_token_id_of(table: PromptTable, pad_id: int | None, owner: str) -> int:
+    """``pad_id`` if given, else the pad id the batch's PromptTable records (the env tokenizer's); a clear error if neither.
+
+    Example:
+        >>> pad_token_id_of(PromptTable(pad_token_id=5), None, "to_padded"), pad_token_id_of(PromptTable(), 0, "x")
+        (5, 0)
+    """
+    if pad_id is None:
+        pad_id = table.pad_token_id
+    if pad_id is None:
+        raise ValueError(
+            f"{owner} needs a pad token id and the batch's PromptTable records none (it was not built by a "
+            "tokengym collector); pass pad_id=tokenizer.pad_token_id (SequenceActor: pad_token_id=...)"
+        )
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
+        raise ValueError(f"{owner}: the pad token id must be an int >= 0 (tokenizer.pad_token_id), got {pad_id!r}")
+    return pad_id
+
+
 def sequence_layout(batch: TensorDictBase, prompts: PromptTable | None = None, *,
-                    pad_id: int = 0) -> SequenceLayout:  # fmt: skip
+                    pad_id: int | None = None) -> SequenceLayout:  # fmt: skip
     """The :class:`SequenceLayout` of a TRAJECTORIES batch, single- or multi-turn.
 
     Single-turn rows are prompt + actions. Rows with ``keys.TURN > 0`` take their full sequence
     (prompt, turns and env feedback) from the PromptTable (``table.sequence(traj_id)``, recorded by
-    the collector), where step ``t``'s action is at position ``keys.SEQ_LEN`` of the step.
+    the collector), where step ``t``'s action is at position ``keys.SEQ_LEN`` of the step. Padding
+    uses ``pad_id``, by default the pad id the PromptTable records (the env tokenizer's).
 
     Example:
         >>> from tensordict import TensorDict
-        >>> table = PromptTable(); table.add(0, torch.tensor([7, 8])); table.add_sequence(0, torch.tensor([7, 8, 3, 9, 9, 4]))
+        >>> table = PromptTable(pad_token_id=0); table.add(0, torch.tensor([7, 8])); table.add_sequence(0, torch.tensor([7, 8, 3, 9, 9, 4]))
         >>> b = TensorDict({keys.ACTION: torch.tensor([[3, 4]]), keys.GROUP_ID: torch.zeros(1, 2, dtype=torch.long),
         ...                 keys.TRAJ_ID: torch.zeros(1, 2, dtype=torch.long), keys.TURN: torch.tensor([[0, 1]]),
         ...                 keys.SEQ_LEN: torch.tensor([[2, 5]])}, [1, 2])
@@ -174,6 +194,7 @@ def sequence_layout(batch: TensorDictBase, prompts: PromptTable | None = None, *
     owner = "sequence_layout"
     mask = check_trajectory_rows(batch, owner)
     table = get_prompts(batch, prompts, owner)
+    pad_id = pad_token_id_of(table, pad_id, owner)
     action = require(batch, keys.ACTION, owner)
     group = require(batch, keys.GROUP_ID, owner)[:, 0]
     device, (n, steps) = action.device, mask.shape
@@ -214,7 +235,7 @@ def sequence_layout(batch: TensorDictBase, prompts: PromptTable | None = None, *
 
 
 @torch.no_grad()
-def step_log_probs(model, batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_id: int = 0,
+def step_log_probs(model, batch: TensorDictBase, prompts: PromptTable | None = None, *, pad_id: int | None = None,
                    temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
     """Log-prob of every step's action under ``model``, aligned with the step batch (one forward).
 
@@ -222,7 +243,7 @@ def step_log_probs(model, batch: TensorDictBase, prompts: PromptTable | None = N
         model: a transformers causal LM (e.g. the reference model).
         batch: TRAJECTORIES batch [N, T].
         prompts: the PromptTable; defaults to the one under ``keys.PROMPTS``.
-        pad_id: token id used for padding.
+        pad_id: token id used for padding; ``None`` takes the PromptTable's (the env tokenizer's).
         temperature: divides the logits (1.0 scores the model's own distribution).
 
     Returns:
@@ -231,7 +252,7 @@ def step_log_probs(model, batch: TensorDictBase, prompts: PromptTable | None = N
     Example:
         >>> from tensordict import TensorDict
         >>> from tokengym.testing import tiny_tokenizer, tiny_model
-        >>> table = PromptTable(); table.add(0, torch.tensor([7, 8]))
+        >>> table = PromptTable(pad_token_id=0); table.add(0, torch.tensor([7, 8]))
         >>> b = TensorDict({keys.ACTION: torch.tensor([[3, 4]]), keys.GROUP_ID: torch.zeros(1, 2, dtype=torch.long),
         ...                 keys.TRAJ_ID: torch.zeros(1, 2, dtype=torch.long)}, [1, 2])
         >>> step_log_probs(tiny_model(tiny_tokenizer()), b, table).shape

@@ -23,14 +23,15 @@ class SequenceActor(TensorDictModuleBase):
 
     Args:
         model: the transformers causal LM being trained.
-        pad_token_id: id used to pad prompts and responses.
+        pad_token_id: id used to pad prompts and responses; ``None`` takes the batch's PromptTable's (the
+            env tokenizer's, recorded by the collector) and raises a ``ValueError`` when it records none.
         temperature: the sampling temperature.
     """
 
     in_keys = [keys.ACTION, keys.GROUP_ID, keys.TRAJ_ID, keys.MASK, keys.PROMPTS]
     out_keys = [keys.LOGITS]
 
-    def __init__(self, model, *, pad_token_id: int, temperature: float = 1.0) -> None:
+    def __init__(self, model, *, pad_token_id: int | None = None, temperature: float = 1.0) -> None:
         super().__init__()
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 (the sampling temperature), got {temperature}")

@@ -20,7 +20,7 @@ def test_lookup(table):
     assert table.metadata(9) == {}
     assert len(table) == 2 and 3 in table and 4 not in table
     assert table.group_ids() == [3, 9]
-    assert repr(table) == "PromptTable(groups=2)"
+    assert repr(table) == "PromptTable(groups=2, pad_token_id=None)"
 
 
 def test_add_is_first_wins(table):

@@ -72,7 +72,7 @@ def test_bad_args(lm):
         sequence_layout(batch, prompts={0: [1]})
     with pytest.raises(ValueError, match="needs a TRAJECTORIES batch .* row 0"):
         check_trajectory_rows(to_steps_layout(batch, rows=1), "x")
-    empty = PromptTable()
+    empty = PromptTable(pad_token_id=0)
     for g in range(3):
         empty.add(g, torch.zeros(0, dtype=torch.long))
     with pytest.raises(ValueError, match="empty prompt"):
