@@ -43,6 +43,11 @@ def check_int(name: str, value) -> None:
 
 
 def check_tokenizer(tokenizer) -> None:
+    if tokenizer is None or isinstance(tokenizer, str):
+        raise TypeError(
+            f"a tokenizer is required (a transformers tokenizer with pad_token_id and eos_token_id), got "
+            f"{tokenizer!r}; load it with AutoTokenizer.from_pretrained(model_dir) (or tokengym.testing.tiny_tokenizer())"
+        )
     for attr in ("pad_token_id", "eos_token_id"):
         if getattr(tokenizer, attr, None) is None:
             raise ValueError(

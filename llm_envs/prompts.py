@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from enum import Enum
 
 import torch
 
-__all__ = ["Prompt", "PromptSource"]
+from tokengym.llm_envs.errors import PromptError
+
+__all__ = ["OverlongPrompts", "Prompt", "PromptSource"]
 
 _PROMPT_FIELDS = ("prompt", "messages", "question", "input_ids")
+_NO_TEMPLATE = ("is a chat message list but the tokenizer has no chat_template; set tokenizer.chat_template "
+                "(a jinja template) or pass plain strings")  # fmt: skip
+
+
+class OverlongPrompts(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we support 3.10)
+    """What a prompt source does with a prompt longer than its limit (the env's ``max_length - 1``)."""
+
+    ERROR = "error"  # raise PromptError naming the prompt (the prompt is skipped; iterating again goes on)
+    SKIP = "skip"  # leave it out, counted (verl's ``filter_overlong_prompts``)
+    TRUNCATE = "truncate"  # keep its last tokens, counted (TRL's ``max_prompt_length``, left truncation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +67,14 @@ class PromptSource:
         epochs: passes over a sized source; ``None`` repeats forever.
         chat_template_kwargs: extra arguments of ``tokenizer.apply_chat_template`` for chat prompts
             (e.g. ``{"enable_thinking": False}``).
+        overlong: an :class:`OverlongPrompts` or its string: ``"error"`` (default), ``"skip"`` or
+            ``"truncate"`` a prompt of more than ``max_prompt_length`` tokens (a TokenEnv caps the
+            limit at its ``max_length - 1``). :attr:`counts` counts the skipped and truncated draws.
+        max_prompt_length: the prompt token limit (``None``: only the env's).
+
+    Raises:
+        ValueError: at construction, for chat prompts (judged by the first item of a list or
+            dataset) and a tokenizer without a chat template.
 
     Example:
         >>> from tokengym.testing import tiny_tokenizer
@@ -72,6 +93,8 @@ class PromptSource:
         seed: int = 0,
         epochs: int | None = None,
         chat_template_kwargs: dict | None = None,
+        overlong: OverlongPrompts | str = OverlongPrompts.ERROR,
+        max_prompt_length: int | None = None,
     ) -> None:
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Iterable):
             raise TypeError(
@@ -89,6 +112,14 @@ class PromptSource:
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.overlong = _overlong(overlong)
+        if max_prompt_length is not None and (isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int)
+                                              or max_prompt_length <= 0):  # fmt: skip
+            raise ValueError(f"max_prompt_length must be a positive int or None, got {max_prompt_length!r}")
+        self.max_prompt_length = max_prompt_length
+        self.counts = {"prompts_skipped_overlong": 0, "prompts_truncated": 0}
+        if self.is_sized:  # what applies to every prompt fails here, not at every refill
+            _check_chat_template(prompts[0], tokenizer)
         self._iter: Iterator | None = None if self.is_sized else iter(prompts)
         self._epoch, self._pos, self._sample, self._group = 0, 0, 0, 0
         self._order: list[int] | None = None
@@ -126,9 +157,18 @@ class PromptSource:
         while (prompt := self.next()) is not None:
             yield prompt
 
+    def cap_prompt_length(self, limit: int) -> None:
+        """Lower the prompt token limit to ``limit`` (a TokenEnv passes ``max_length - 1``)."""
+        self.max_prompt_length = limit if self.max_prompt_length is None else min(self.max_prompt_length, limit)
+
     def next(self) -> Prompt | None:
-        """The next prompt sample, or ``None`` once the source is exhausted."""
-        if self._current is None or self._sample >= self.group_size:
+        """The next prompt sample, or ``None`` once the source is exhausted.
+
+        Raises:
+            PromptError: for a prompt that cannot be encoded or is over-long under ``overlong="error"``;
+                the source has moved past it (the next call gives the next prompt).
+        """
+        while self._current is None or self._sample >= self.group_size:
             nxt = self._next_item()
             while nxt is not None and self._group % self.num_shards != self.shard_index:
                 self._group += 1  # another shard's group: skipped unencoded, its id stays that shard's
@@ -137,8 +177,11 @@ class PromptSource:
                 self.is_exhausted = True
                 return None
             index, item = nxt
-            self._current, self._sample = (index, *self._encode_cached(item, index)), 0
-            self._group += 1
+            self._current, self._sample = None, 0
+            self._group += 1  # consumed even when the item is left out: shards stay in step
+            encoded = self._within_limit(index, *self._encode_cached(item, index))
+            if encoded is not None:
+                self._current = (index, *encoded)
         index, ids, text, meta, messages = self._current
         self._sample += 1
         return Prompt(ids, text, meta, index, self._group - 1, self._sample - 1, messages)
@@ -168,27 +211,55 @@ class PromptSource:
         self.shard_index, self.num_shards = index, num_shards
         return self
 
+    def _within_limit(self, index: int, ids: torch.Tensor, text: str, meta: dict, messages):
+        """The encoded item under the over-long policy: as is, truncated, ``None`` (skipped), or PromptError."""
+        limit = self.max_prompt_length
+        if limit is None or ids.numel() <= limit:
+            return ids, text, meta, messages
+        if self.overlong is OverlongPrompts.SKIP:
+            self.counts["prompts_skipped_overlong"] += 1
+            return None
+        if self.overlong is OverlongPrompts.TRUNCATE:
+            self.counts["prompts_truncated"] += 1
+            ids = ids[-limit:]
+            return ids, self.tokenizer.decode(ids), meta, messages
+        raise PromptError(
+            f"prompt {index} {text[:60]!r} has {ids.numel()} tokens, more than the {limit} a prompt may have "
+            "(the env's max_length - 1, or max_prompt_length); raise max_length, or pass overlong_prompts='skip' "
+            "(left out and counted, as verl's filter_overlong_prompts) or 'truncate' (keeps its last tokens, as "
+            "TRL's max_prompt_length)"
+        )
+
     def state_dict(self) -> dict:
         """Cursor of the source; restoring it replays the same prompts (iterables are re-read and skipped)."""
-        return {"epoch": self._epoch, "pos": self._pos, "sample": self._sample, "group": self._group}
+        return {"epoch": self._epoch, "pos": self._pos, "sample": self._sample, "group": self._group,
+                "counts": dict(self.counts)}  # fmt: skip
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore a cursor from :meth:`state_dict`."""
         self._epoch, self._sample, self._group = state["epoch"], state["sample"], state["group"]
+        self.counts.update(state.get("counts", {}))
         self._order, self._current, self.is_exhausted = None, None, False
         if self.is_sized:
             self._pos = state["pos"]
             if self._sample:  # re-encode the group in progress
                 self._pos -= 1
                 index, item = self._next_item()
-                self._current = (index, *self._encode_item(item, index))
+                self._current = (index, *self._resumed(item, index))
             return
         self._iter, self._pos = iter(self.prompts), 0
         for _ in range(state["pos"] - (1 if self._sample else 0)):
             self._next_item()
         if self._sample:
             index, item = self._next_item()
-            self._current = (index, *self._encode_item(item, index))
+            self._current = (index, *self._resumed(item, index))
+
+    def _resumed(self, item, index: int) -> tuple:
+        """The group in progress at a checkpoint, encoded again (it was within the limit, or truncated)."""
+        counts = dict(self.counts)
+        encoded = self._within_limit(index, *self._encode_item(item, index))
+        self.counts = counts  # counted when it was first drawn
+        return encoded
 
     # -- encoding --
     _CACHE_SIZE = 65_536
@@ -234,10 +305,7 @@ class PromptSource:
             item = item.reshape(-1).tolist()
         if isinstance(item, Sequence) and all(isinstance(m, Mapping) for m in item) and len(item):
             if getattr(tok, "chat_template", None) is None:
-                raise ValueError(
-                    f"prompt item {index} is a chat message list but the tokenizer has no chat_template; "
-                    "set tokenizer.chat_template or pass plain strings"
-                )
+                raise ValueError(f"prompt item {index} {_NO_TEMPLATE}")
             text = tok.apply_chat_template(list(item), tokenize=False, add_generation_prompt=True,
                                            **self.chat_template_kwargs)  # fmt: skip
             ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -260,3 +328,20 @@ def _chat_messages(item) -> list | None:
     if isinstance(item, Sequence) and not isinstance(item, str) and len(item) and all(isinstance(m, Mapping) for m in item):
         return [dict(m) for m in item]
     return None
+
+
+def _overlong(value) -> OverlongPrompts:
+    try:
+        return OverlongPrompts(value)
+    except ValueError:
+        raise ValueError(f"overlong_prompts must be one of {[e.value for e in OverlongPrompts]}, got {value!r}") from None
+
+
+def _check_chat_template(first, tokenizer) -> None:
+    """Chat prompts need a chat template: checked once on the first item of a sized source."""
+    if isinstance(first, Mapping):
+        first = next((first[f] for f in _PROMPT_FIELDS if f in first), None)
+    if _chat_messages(first) is not None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"the prompts are chat message lists (the first: {first!r:.60}) but the tokenizer "
+                         f"{type(tokenizer).__name__} has no chat_template; set tokenizer.chat_template (a jinja "
+                         "template) or pass plain strings")  # fmt: skip

@@ -56,6 +56,9 @@ class TokenEnv(EnvBase):
         model_config: a transformers config, used for the context limit.
         seed: seed of the prompt order (with ``shuffle``).
         shuffle: shuffle a sized prompt source every epoch.
+        overlong_prompts: ``"error"`` (default), ``"skip"`` or ``"truncate"`` a prompt of ``max_length`` tokens
+            or more (see :class:`~tokengym.llm_envs.prompts.OverlongPrompts`; :attr:`prompt_counts` counts them).
+            With a :class:`PromptSource`, set its ``overlong`` instead.
 
     Example:
         >>> from tokengym.testing import tiny_tokenizer
@@ -82,6 +85,7 @@ class TokenEnv(EnvBase):
         model_config=None,
         seed: int = 0,
         shuffle: bool = False,
+        overlong_prompts: str = "error",
     ) -> None:
         check_int("batch_size", batch_size)
         check_int("max_new_tokens", max_new_tokens)
@@ -90,12 +94,17 @@ class TokenEnv(EnvBase):
             raise TypeError(f"reward_fn must be callable(responses, prompts, metadata), got {reward_fn!r}")
         super().__init__(batch_size=torch.Size([batch_size]))
         if isinstance(prompts, PromptSource):
+            if overlong_prompts != "error":
+                raise ValueError(f"overlong_prompts={overlong_prompts!r} with a PromptSource: set it on the source, "
+                                 "PromptSource(..., overlong=...)")  # fmt: skip
             self.source = prompts
         else:
-            self.source = PromptSource(prompts, tokenizer, group_size=group_size, shuffle=shuffle, seed=seed)
+            self.source = PromptSource(prompts, tokenizer, group_size=group_size, shuffle=shuffle, seed=seed,
+                                       overlong=overlong_prompts)  # fmt: skip
         self.tokenizer, self.reward_fn, self.max_new_tokens = tokenizer, as_reward_fn(reward_fn), max_new_tokens
         self.max_length = max_length if max_length is not None else context_limit(tokenizer, model_config)
         check_int("max_length", self.max_length)
+        self.source.cap_prompt_length(self.max_length - 1)  # a prompt leaves room for one response token
         self.vocab_size = len(tokenizer)
         if model_config is not None and getattr(model_config, "vocab_size", None):
             self.vocab_size = max(self.vocab_size, int(model_config.vocab_size))
@@ -157,6 +166,11 @@ class TokenEnv(EnvBase):
         """Full token ids of episodes finished since the last call, by trajectory id (multi-turn envs;
         a single-turn sequence is its prompt plus its actions, so this is empty here)."""
         return _NO_SEQUENCES
+
+    @property
+    def prompt_counts(self) -> dict[str, int]:
+        """Prompt draws left out (``prompts_skipped_overlong``) or truncated (``prompts_truncated``) so far."""
+        return dict(getattr(self.source, "counts", {}))
 
     @property
     def is_exhausted(self) -> bool:

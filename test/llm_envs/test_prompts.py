@@ -6,7 +6,7 @@ import datasets
 import pytest
 import torch
 
-from tokengym.llm_envs import Prompt, PromptSource
+from tokengym.llm_envs import Prompt, PromptError, PromptSource, TokenEnv, keys
 
 
 def _texts(src, n=None):
@@ -152,8 +152,91 @@ def test_bad_item_type(tokenizer, item):
 def test_chat_without_template(tokenizer):
     plain = copy.deepcopy(tokenizer)  # the session tokenizer stays untouched
     plain.chat_template = None
+    chat = [{"role": "user", "content": "hi"}]
     with pytest.raises(ValueError, match="chat message list but the tokenizer has no chat_template"):
-        PromptSource([[{"role": "user", "content": "hi"}]], plain).next()
+        PromptSource(iter([chat]), plain).next()  # an iterable is not read ahead: the draw fails
+    with pytest.raises(ValueError, match="the prompts are chat message lists .* has no chat_template"):
+        PromptSource([chat], plain)  # a list fails at construction
+
+
+def test_chat_prompts_without_template_fail_at_env_construction_not_at_every_refill(tokenizer):
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    prompts = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)} for i in range(4)]
+    with pytest.raises(ValueError, match="has no chat_template; set tokenizer.chat_template"):
+        TokenEnv(prompts, plain, batch_size=2, max_length=64)
+
+
+@pytest.mark.parametrize("tok", [None, "Qwen/Qwen2.5-0.5B"])
+def test_tokenizer_is_required(tok):
+    with pytest.raises(TypeError, match="a tokenizer is required .* got"):
+        TokenEnv(["1+1="], tok, batch_size=1)
+
+
+# -- over-long prompts: error / skip / truncate, counted in the collector's metrics --
+
+
+def _overlong_run(tokenizer, model, policy_kind):
+    """A 100-prompt list with one over-long prompt (index 37), iterated twice through the prompts."""
+    from tokengym.collectors import TokenCollector, TransformersPolicy
+
+    prompts = [f"{i % 10}+{i // 10}=" for i in range(100)]
+    prompts[37] = "1+" * 40 + "1="  # 82 tokens, max_length is 32
+    env = TokenEnv(prompts, tokenizer, batch_size=8, max_new_tokens=2, max_length=32, model_config=model.config,
+                   overlong_prompts=policy_kind)  # fmt: skip
+    env.source.epochs = 2
+    collector = TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=8)
+    seen, errors, metrics = [], [], {}
+    while True:
+        try:
+            for batch in collector:
+                seen += batch[keys.GROUP_ID][:, 0].tolist()
+                metrics = dict(collector.metrics)
+            break
+        except PromptError as err:  # "error": the prompt is skipped, iterating again goes on
+            errors.append(str(err))
+    return env, seen, errors, metrics
+
+
+@pytest.mark.parametrize("policy_kind", ["error", "skip", "truncate"])
+def test_one_overlong_prompt_in_100_under_each_policy(tokenizer, model, policy_kind):
+    env, seen, errors, metrics = _overlong_run(tokenizer, model, policy_kind)
+    if policy_kind == "error":
+        assert len(errors) == 2 and all("prompt 37" in e and "overlong_prompts='skip'" in e for e in errors)
+        assert len(seen) == 198 and metrics["failed_prompts"] == 2
+    elif policy_kind == "skip":
+        assert errors == [] and len(seen) == 198  # 99 prompts per pass, no error
+        assert metrics["prompts_skipped_overlong"] == 2 and metrics["prompts_truncated"] == 0
+    else:
+        assert errors == [] and len(seen) == 200
+        assert metrics["prompts_truncated"] == 2 and metrics["prompts_skipped_overlong"] == 0
+    assert env.prompt_counts == {k: metrics[k] for k in env.prompt_counts}
+
+
+def test_truncate_keeps_the_last_tokens(tokenizer):
+    long = "1+" * 40 + "1="
+    ids = tokenizer(long, add_special_tokens=False)["input_ids"]
+    src = PromptSource([long, "2+2="], tokenizer, overlong="truncate", max_prompt_length=10, epochs=1)
+    first, second = list(src)
+    assert first.ids.tolist() == ids[-10:] and first.text == tokenizer.decode(ids[-10:])
+    assert second.text == "2+2=" and src.counts == {"prompts_skipped_overlong": 0, "prompts_truncated": 1}
+
+
+def test_skip_keeps_group_ids_and_shards_in_step(tokenizer):
+    items = ["1+1=", "1+" * 20 + "1=", "2+2=", "3+3="]
+    full = [(p.text, p.group_id) for p in PromptSource(items, tokenizer, overlong="skip", max_prompt_length=8, epochs=1)]
+    assert full == [("1+1=", 0), ("2+2=", 2), ("3+3=", 3)]
+    shards = [PromptSource(items, tokenizer, overlong="skip", max_prompt_length=8, epochs=1).shard(i, 2) for i in (0, 1)]
+    assert sorted((p.text, p.group_id) for s in shards for p in s) == sorted(full)
+
+
+def test_bad_overlong_options(tokenizer):
+    with pytest.raises(ValueError, match=r"overlong_prompts must be one of \['error', 'skip', 'truncate'\], got 'drop'"):
+        TokenEnv(["a"], tokenizer, batch_size=1, overlong_prompts="drop")
+    with pytest.raises(ValueError, match="max_prompt_length must be a positive int or None, got 0"):
+        PromptSource(["a"], tokenizer, max_prompt_length=0)
+    with pytest.raises(ValueError, match="set it on the source"):
+        TokenEnv(PromptSource(["a"], tokenizer), tokenizer, batch_size=1, overlong_prompts="skip")
 
 
 @pytest.mark.parametrize("group_size", [0, -1, 1.5, "2"])

@@ -329,7 +329,7 @@ def test_empty_prompt(tokenizer):
 
 def test_prompt_longer_than_max_length(tokenizer):
     env = make(tokenizer, ["x" * 40], max_length=16)
-    with pytest.raises(PromptError, match=r"prompt 0 'x+' has 40 tokens but max_length is 16.*raise max_length"):
+    with pytest.raises(PromptError, match=r"prompt 0 'x+' has 40 tokens, more than the 15 a prompt may have.*raise max_length"):
         env.reset()
 
 
