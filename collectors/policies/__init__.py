@@ -1,5 +1,6 @@
 """How tokens are generated (``tokengym.collectors.policies``): the :class:`TokenPolicy` protocol and its
-backends — transformers with a per-slot KV cache (steps and waves), vLLM in-process (waves), a policy
+backends — transformers with a per-slot KV cache (steps and waves), vLLM in-process and on running
+servers (waves), a policy
 stepped with a reference model, the sampler, and the sequence actors the losses read.
 
 How batches are made (sources, recorders, the collector, Ray and async collection) lives one level up,
@@ -19,6 +20,8 @@ from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
 from tokengym.collectors.policies.sequence_actor import MaskedCategorical, PaddedSequenceActor, SequenceActor
 from tokengym.collectors.policies.transformers_policy import TransformersPolicy
 from tokengym.collectors.policies.vllm_policy import VLLMPolicy
+from tokengym.collectors.policies.vllm_server import LocalVLLMServer
+from tokengym.collectors.policies.vllm_server_policy import NoServerError, ServerOptions, VLLMServerPolicy
 
 __all__ = [
     "MaskedCategorical",
@@ -31,6 +34,10 @@ __all__ = [
     "TokenPolicy",
     "TransformersPolicy",
     "VLLMPolicy",
+    "VLLMServerPolicy",
+    "LocalVLLMServer",
+    "NoServerError",
+    "ServerOptions",
     "check_policy",
     "is_token_policy",
     "sample_tokens",

@@ -20,10 +20,7 @@ every rule on the returned tokens.
 
 from __future__ import annotations
 
-import itertools
 import os
-
-import torch
 
 from tokengym.collectors.policies._vllm_engine import (
     checkpoint_shapes,
@@ -34,13 +31,20 @@ from tokengym.collectors.policies._vllm_engine import (
     tied_outputs,
     weight_items,
 )
+from tokengym.collectors.policies._vllm_requests import (
+    check_budgets,
+    check_greedy,
+    check_logprobs_mode,
+    empty_result,
+    is_unmodified,
+    request_seeds,
+    sampling_fields,
+    wave_result,
+)
 from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["VLLMPolicy"]
-
-_SEED_STRIDE = 1 << 32  # request seeds: policy seed * stride + request counter (distinct per request)
-_MODES = ("processed_logprobs", "raw_logprobs")
 
 
 class VLLMPolicy:
@@ -100,13 +104,13 @@ class VLLMPolicy:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         self.env = getattr(env, "base_env", env)
         self.sampling = sampling or SamplingConfig()
-        _check_greedy(self.sampling)
+        check_greedy(self.sampling)
         self.seed, self.version, self.requests = seed, 0, 0
-        self.is_unmodified = _is_unmodified(self.sampling)
+        self.is_unmodified = is_unmodified(self.sampling)
         self._vllm = import_vllm()
         if isinstance(model, str | os.PathLike):
             engine_kwargs = dict(engine_kwargs or {})
-            _check_logprobs_mode(engine_kwargs.get("logprobs_mode", "processed_logprobs"), self.is_unmodified)
+            check_logprobs_mode(engine_kwargs.get("logprobs_mode", "processed_logprobs"), self.is_unmodified)
             self.llm = start_engine(model, max_model_len=int(self.env.max_length), seed=seed, engine_kwargs=engine_kwargs)
             self.is_engine_owned = True
         elif isinstance(model, self._vllm.LLM):
@@ -129,7 +133,7 @@ class VLLMPolicy:
     def _check_engine(self) -> None:
         model_config = self.llm.llm_engine.model_config
         self.max_model_len = int(model_config.max_model_len)
-        _check_logprobs_mode(model_config.logprobs_mode, self.is_unmodified)
+        check_logprobs_mode(model_config.logprobs_mode, self.is_unmodified)
         _check_fits(model_config, self.env)
         _check_tokenizer(self.llm, self.env.tokenizer, model_config)
 
@@ -138,10 +142,7 @@ class VLLMPolicy:
         s = self.sampling
         kwargs = dict(n=1, logprobs=0, flat_logprobs=True, ignore_eos=True, detokenize=False,
                       skip_special_tokens=False, include_stop_str_in_output=True)  # fmt: skip
-        if s.greedy:
-            kwargs["temperature"] = 0.0
-        else:
-            kwargs.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+        kwargs.update(sampling_fields(s))
         if s.banned_token_ids:
             kwargs["logit_bias"] = {i: -float("inf") for i in s.banned_token_ids}
         return kwargs
@@ -154,9 +155,7 @@ class VLLMPolicy:
         if self.llm is None:
             raise RuntimeError("this VLLMPolicy is closed; build a new one")
         if n == 0:
-            empty = torch.zeros(0, 0)
-            return WaveResult(empty.long(), torch.zeros(0, dtype=torch.int64), empty, empty if self.is_unmodified else None,
-                              self.version)  # fmt: skip
+            return empty_result(self.is_unmodified, self.version)
         budgets = self._check_request(request)
         params = self._request_params(request, budgets)
         prompts = [{"prompt_token_ids": p.tolist()} for p in request.prompts]
@@ -164,16 +163,7 @@ class VLLMPolicy:
         return self._result([o.outputs[0] for o in outputs])
 
     def _check_request(self, request: WaveRequest) -> list[int]:
-        budgets = request.max_new_tokens.tolist()
-        for i, (prompt, budget) in enumerate(zip(request.prompts, budgets, strict=True)):
-            if budget < 1 or prompt.numel() + budget > self.max_model_len:
-                slot = int(request.slots[i])
-                raise ValueError(
-                    f"slot {slot}: a prompt of {prompt.numel()} tokens with {budget} new tokens does not fit the "
-                    f"engine's max_model_len {self.max_model_len} (or the budget is < 1); build the env with "
-                    f"max_length <= {self.max_model_len} or the engine with a larger max_model_len"
-                )
-        return budgets
+        return check_budgets(request, self.max_model_len)
 
     def _request_params(self, request: WaveRequest, budgets: list[int]) -> list:
         base = dict(self._base_params, stop_token_ids=list(request.eos_token_ids))
@@ -182,22 +172,13 @@ class VLLMPolicy:
         greedy = self.sampling.greedy
         first, self.requests = self.requests, self.requests + len(budgets)
         make = self._vllm.SamplingParams
-        return [make(**base, max_tokens=m, seed=None if greedy else self.seed * _SEED_STRIDE + first + i)
-                for i, m in enumerate(budgets)]  # fmt: skip
+        seeds = request_seeds(self.seed, first, len(budgets), greedy=greedy)
+        return [make(**base, max_tokens=m, seed=seed) for m, seed in zip(budgets, seeds, strict=True)]
 
     def _result(self, completions) -> WaveResult:
-        lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.int64)
-        for c in completions:
-            if c.logprobs is None or len(c.logprobs.logprobs) != len(c.token_ids):
-                raise RuntimeError("vLLM returned no log-prob per sampled token; was logprobs=0 changed?")
-        n, T = len(completions), int(lengths.max())
-        mask = torch.arange(T) < lengths[:, None]  # (n, T)
-        actions = torch.zeros(n, T, dtype=torch.int64)
-        actions[mask] = torch.tensor(list(itertools.chain.from_iterable(c.token_ids for c in completions)))
-        log_probs = torch.zeros(n, T)
-        log_probs[mask] = torch.tensor(list(itertools.chain.from_iterable(c.logprobs.logprobs for c in completions)))
-        raw = log_probs if self.is_unmodified else None
-        return WaveResult(actions, lengths, log_probs, raw, self.version)
+        log_probs = [None if c.logprobs is None else c.logprobs.logprobs for c in completions]
+        return wave_result([c.token_ids for c in completions], log_probs, is_unmodified=self.is_unmodified,
+                           version=self.version)  # fmt: skip
 
     # -- weights --
     def update_weights(self, weights=None) -> int:
@@ -243,27 +224,6 @@ class VLLMPolicy:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None and self.is_engine_owned:
             stop_engine(llm)
-
-
-def _is_unmodified(s: SamplingConfig) -> bool:
-    return s.temperature == 1.0 and s.top_k == 0 and s.top_p == 1.0 and not s.banned_token_ids
-
-
-def _check_greedy(s: SamplingConfig) -> None:
-    if s.greedy and (s.temperature != 1.0 or s.top_k or s.top_p != 1.0):
-        raise ValueError(
-            f"vLLM's greedy decoding reports log-probs at temperature 1 over the whole vocabulary, so greedy with "
-            f"temperature={s.temperature}, top_k={s.top_k}, top_p={s.top_p} would not mean what TransformersPolicy's "
-            "action_log_prob means; use SamplingConfig(greedy=True) with temperature=1.0, top_k=0, top_p=1.0"
-        )
-
-
-def _check_logprobs_mode(mode: str, is_unmodified: bool) -> None:
-    if mode not in _MODES or (mode == "raw_logprobs" and not is_unmodified):
-        raise ValueError(
-            f"the engine's logprobs_mode is {mode!r}: action_log_prob needs the log-prob of the distribution "
-            "sampled from; start the engine with logprobs_mode='processed_logprobs'"
-        )
 
 
 def _check_fits(model_config, env) -> None:

@@ -1,0 +1,222 @@
+"""A fleet of inference servers behind one client: routing, failover, and HTTP on a private event loop.
+
+:class:`ServerFleet` sends a wave of requests over the live servers (least outstanding requests; a key
+such as a trajectory sticks to the server it used before, so its prefix cache is reused). A server that
+cannot be reached, times out or answers 5xx is marked down and its requests are sent again elsewhere,
+unchanged (same seeds): each request gets exactly one answer. A 4xx answer is the request's fault and
+raises at once with the server's message. With no server left, :class:`NoServerError` names each
+server and its last failure.
+
+HTTP is ``httpx.AsyncClient`` on an asyncio loop in a daemon thread of its own, so a synchronous caller
+(the collector) and one that already runs an event loop (a notebook) call it alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import httpx
+
+from tokengym.collectors.policies._server_options import NoServerError, RequestRejected, ServerOptions
+
+__all__ = ["Server", "ServerFleet"]
+
+
+@dataclasses.dataclass
+class Server:
+    """What the client knows of one server."""
+
+    url: str
+    model: str | None = None
+    """The model id it serves (``/v1/models``)."""
+    max_model_len: int | None = None
+    is_up: bool = True
+    version: int = 0
+    """Weights version it holds (as far as this client knows)."""
+    outstanding: int = 0
+    last_failure: str | None = None
+    down_since: float = 0.0
+    attempts: set = dataclasses.field(default_factory=set)
+    """Requests in flight on it (cancelled, and sent elsewhere, when it goes down)."""
+
+
+def _describe(err: BaseException) -> str:
+    text = str(err) or type(err).__name__
+    return f"{type(err).__name__}: {text}"[:300]
+
+
+class ServerFleet:
+    """Servers at ``urls`` and one HTTP client for all of them.
+
+    Args:
+        urls: base URLs (``http://host:port``), one per server.
+        options: a :class:`ServerOptions`.
+    """
+
+    def __init__(self, urls: Sequence[str], *, options: ServerOptions | None = None) -> None:
+        self.options = options or ServerOptions()
+        self.servers = [Server(url.rstrip("/")) for url in urls]
+        self.sticky: dict[Hashable, Server] = {}
+        self.revive: Callable | None = None  # async (server) -> None: make a returning server current
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="tokengym-server-fleet", daemon=True
+        )
+        self._thread.start()
+        self._client = self.run(self._make_client())
+
+    async def _make_client(self) -> httpx.AsyncClient:
+        o = self.options
+        timeout = httpx.Timeout(o.control_timeout_s, connect=o.connect_timeout_s)
+        return httpx.AsyncClient(
+            timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        )
+
+    def run(self, coro):
+        """Run ``coro`` on the fleet's loop and return its result (from any thread but the loop's)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        """Close the HTTP client and stop the loop."""
+        if self._loop.is_closed():
+            return
+        self.run(self._client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    # -- control calls --
+    async def call(
+        self, server: Server, method: str, path: str, payload=None, *, timeout: float | None = None
+    ):
+        """One control call; returns the decoded JSON (or ``None``); raises ``httpx`` errors and
+        :class:`RequestRejected` / ``httpx.HTTPStatusError`` for 4xx / 5xx answers."""
+        timeout = self.options.control_timeout_s if timeout is None else timeout
+        response = await self._client.request(method, server.url + path, json=payload, timeout=timeout)
+        _raise_for_status(server, response)
+        return response.json() if response.content else None
+
+    def mark_down(self, server: Server, reason: str) -> None:
+        """Take ``server`` out of the rotation; its requests in flight go elsewhere."""
+        server.is_up, server.last_failure, server.down_since = False, reason, time.monotonic()
+        for attempt in list(server.attempts):
+            attempt.cancel()
+
+    def up(self) -> list[Server]:
+        return [s for s in self.servers if s.is_up]
+
+    def failures(self) -> str:
+        return "; ".join(f"{s.url}: {s.last_failure or 'down'}" for s in self.servers)
+
+    async def revive_down(self, *, force: bool = False) -> None:
+        """Try the servers that are down (those down for ``retry_down_after_s``, or all with ``force``)."""
+        now, wait = time.monotonic(), self.options.retry_down_after_s
+        due = [s for s in self.servers if not s.is_up and (force or now - s.down_since >= wait)]
+        if due and self.revive is not None:
+            await asyncio.gather(*(self._revive_one(s) for s in due))
+
+    async def _revive_one(self, server: Server) -> None:
+        try:
+            await self.revive(server)
+        except (httpx.HTTPError, RequestRejected, OSError) as err:
+            server.last_failure, server.down_since = f"still down: {_describe(err)}", time.monotonic()
+            return
+        server.is_up = True
+
+    # -- waves --
+    def complete(self, payloads: list[dict], keys: list[Hashable | None]) -> list[dict]:
+        """Send every payload to ``/v1/completions`` and return the answers in order (exactly one each)."""
+        return self.run(self._wave(payloads, keys))
+
+    async def _wave(self, payloads: list[dict], keys: list) -> list[dict]:
+        await self.revive_down()
+        if not self.up():
+            await self.revive_down(force=True)
+        self.sticky = {
+            k: self.sticky[k] for k in keys if k is not None and k in self.sticky
+        }  # this wave's only
+        results: list = [None] * len(payloads)
+        tasks = [
+            asyncio.ensure_future(self._one(i, payloads[i], keys[i], results)) for i in range(len(payloads))
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return results
+
+    def _pick(self, key) -> Server:
+        server = self.sticky.get(key) if key is not None else None
+        if server is None or not server.is_up:
+            live = self.up()
+            if not live:
+                raise NoServerError(f"no vLLM server left to generate on ({self.failures()}); restart one (the "
+                                    "policy takes it back with the current weights) and collect again: the collector "
+                                    "can be checkpointed and resumed")  # fmt: skip
+            server = min(live, key=lambda s: s.outstanding)
+            if key is not None:
+                self.sticky[key] = server
+        return server
+
+    async def _one(self, i: int, payload: dict, key, results: list) -> None:
+        timeout = httpx.Timeout(self.options.request_timeout_s, connect=self.options.connect_timeout_s)
+        has_revived = False
+        while True:
+            try:
+                server = self._pick(key)
+            except NoServerError:
+                if has_revived:
+                    raise
+                has_revived = True
+                await self.revive_down(force=True)
+                continue
+            attempt = asyncio.ensure_future(
+                self._client.post(server.url + "/v1/completions", json=payload, timeout=timeout)
+            )
+            server.attempts.add(attempt)
+            server.outstanding += 1
+            try:
+                await asyncio.wait({attempt})
+            except BaseException:
+                attempt.cancel()
+                raise
+            finally:
+                server.attempts.discard(attempt)
+                server.outstanding -= 1
+            if attempt.cancelled():  # its server went down meanwhile: send it elsewhere
+                continue
+            err = attempt.exception()
+            if err is not None:
+                if not isinstance(err, httpx.HTTPError | OSError):
+                    raise err
+                self.mark_down(server, _describe(err))
+                continue
+            response = attempt.result()
+            if response.status_code >= 500:
+                self.mark_down(server, f"HTTP {response.status_code}: {response.text[:200]}")
+                continue
+            _raise_for_status(server, response, row=i)
+            results[i] = response.json()
+            return
+
+
+def _raise_for_status(server: Server, response: httpx.Response, *, row: int | None = None) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:500]
+    if response.status_code < 500:
+        where = "" if row is None else f" (wave row {row})"
+        raise RequestRejected(f"{server.url} rejected {response.request.url.path}{where} with HTTP "
+                              f"{response.status_code}: {message}")  # fmt: skip
+    raise httpx.HTTPStatusError(f"{server.url}{response.request.url.path}: HTTP {response.status_code}: {message}",
+                                request=response.request, response=response)  # fmt: skip

@@ -1,0 +1,306 @@
+"""VLLMServerPolicy: whole waves generated on running vLLM servers (OpenAI-compatible HTTP), token ids in and out.
+
+The wave policy of :class:`~tokengym.collectors.policies.vllm_policy.VLLMPolicy`, on a fleet of servers
+instead of an engine in this process: the same per-request seeds, sampling fields, termination (the env's
+EOS ids as ``stop_token_ids`` with ``ignore_eos``, the env's stop strings, budgets clamped here) and
+log-prob semantics (processed log-probs: ``action_log_prob`` is the log-prob under the distribution
+sampled from; ``raw_log_prob`` only where the sampling leaves the model's distribution unmodified). Every
+sampling field is sent, so a server's ``generation_config`` defaults never apply. Banned tokens go as
+``logit_bias`` -100 (vLLM clamps a bias to +-100): a banned token then keeps ``exp(-100)`` of its weight,
+below float32 resolution of every log-prob reported unless its logit beats the others by ~80.
+
+Routing, failover and weight sync are described in :mod:`._server_fleet` and :mod:`._server_weights`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+import types
+from pathlib import Path
+
+from tokengym.collectors.policies._server_options import NoServerError, RequestRejected, ServerOptions
+from tokengym.collectors.policies._server_weights import DirectoryTransport, FleetLock, WeightTransport
+from tokengym.collectors.policies._vllm_engine import checkpoint_shapes, tied_outputs, weight_items
+from tokengym.collectors.policies._vllm_requests import (
+    check_budgets,
+    check_greedy,
+    empty_result,
+    is_unmodified,
+    request_seeds,
+    sampling_fields,
+    wave_result,
+)
+from tokengym.collectors.policies.sampling import SamplingConfig
+from tokengym.llm_envs.waves import WaveRequest, WaveResult
+
+__all__ = ["NoServerError", "ServerOptions", "VLLMServerPolicy"]
+
+_NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}  # fmt: skip
+_BANNED_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
+
+
+def _http():
+    """httpx and what is built on it (installed with vLLM; imported when a policy is built)."""
+    try:
+        import httpx
+
+        from tokengym.collectors.policies._server_checks import (
+            check_fleet,
+            check_server,
+            inspect_server,
+            probe_ids,
+        )
+        from tokengym.collectors.policies._server_fleet import ServerFleet
+    except ImportError as err:
+        raise ImportError(
+            f"VLLMServerPolicy needs httpx: pip install httpx (it comes with vllm) ({err})"
+        ) from err
+    checks = types.SimpleNamespace(check_fleet=check_fleet, check_server=check_server, inspect_server=inspect_server,
+                                   probe_ids=probe_ids)  # fmt: skip
+    return httpx, ServerFleet, checks
+
+
+class VLLMServerPolicy:
+    """Generates every live slot's turn of a :class:`~tokengym.llm_envs.TokenEnv` on running vLLM servers.
+
+    Implements :class:`~tokengym.collectors.TokenPolicy` for waves (``TokenCollector(..., source="wave")``).
+    One ``/v1/completions`` request per slot, spread over the live servers (least outstanding requests; a
+    multi-turn trajectory stays on its server so its prefix cache is reused). A server that dies, times
+    out or answers 5xx is marked down and its requests go to another server with the same seeds: the wave
+    completes with one answer per slot. A 4xx answer raises at once with the server's message. A server
+    marked down is tried again after ``options.retry_down_after_s`` and used only once it holds the current
+    weights. With no server left, :class:`NoServerError` names each server and its last failure; the wave's
+    request counter is not advanced, so a checkpoint taken then resumes exactly.
+
+    Args:
+        urls: base URL of each server (``"http://host:8000"``), or one URL.
+        env: the env whose slots it continues (vocabulary, context limit and tokenizer are checked
+            against every server at construction).
+        sampling: a :class:`~tokengym.collectors.SamplingConfig`.
+        seed: seed of the per-request sampling seeds.
+        options: a :class:`ServerOptions` (timeouts, the weights directory and transport, the model).
+
+    Raises:
+        ValueError: a server cannot be reached, serves another model, has a smaller context or another
+            vocabulary or tokenizer than the env, or reports log-probs that would not be those of the
+            distribution sampled from (start it with ``--logprobs-mode processed_logprobs``).
+
+    Example (not run here: see :class:`~tokengym.collectors.LocalVLLMServer` to start a server)::
+
+        policy = VLLMServerPolicy(["http://10.0.0.1:8000", "http://10.0.0.2:8000"], env,
+                                  options=ServerOptions(weights_dir="/shared/weights/run-17"))
+        collector = TokenCollector(env, policy, mode="trajectories", batch_size=64, source="wave")
+        for batch in collector:
+            ...  # train
+            collector.update_policy_weights_(model.state_dict())  # written once, reloaded into every server
+    """
+
+    is_wave_only = True
+
+    def __init__(self, urls, env, *, sampling: SamplingConfig | None = None, seed: int = 0,
+                 options: ServerOptions | None = None) -> None:  # fmt: skip
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        bad = [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]
+        if not urls or bad:
+            raise ValueError(f"urls must be one or more server URLs like 'http://host:8000', got {urls!r}")
+        if sampling is not None and not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        if options is not None and not isinstance(options, ServerOptions):
+            raise TypeError(f"options must be a ServerOptions, got {type(options).__name__}")
+        self.env = getattr(env, "base_env", env)
+        self.sampling, self.options = sampling or SamplingConfig(), options or ServerOptions()
+        check_greedy(self.sampling)
+        self.seed, self.version, self.requests = seed, 0, 0
+        self.is_unmodified = is_unmodified(self.sampling)
+        self.lock_dir = self.options.weights_dir or tempfile.mkdtemp(prefix="tokengym-fleet-")
+        self.transport = self.options.transport or DirectoryTransport(self.options.weights_dir)
+        if not isinstance(self.transport, WeightTransport):
+            raise TypeError(
+                f"options.transport must implement WeightTransport, got {type(self.transport).__name__}"
+            )
+        self.fleet_lock = FleetLock(self.lock_dir)
+        self._httpx, fleet_class, self._checks = _http()
+        self.fleet = fleet_class(urls, options=self.options)
+        self.fleet.revive = self._revive
+        self._thread_lock = threading.Lock()  # a wave and a weight update never overlap in this process
+        try:
+            self._check_servers()
+        except BaseException:
+            self.close()
+            raise
+        self._base = {**_NEUTRAL, **sampling_fields(self.sampling), "n": 1, "logprobs": 0, "ignore_eos": True,
+                      "skip_special_tokens": False, "include_stop_str_in_output": True, "return_token_ids": True}  # fmt: skip
+        if self.sampling.banned_token_ids:
+            self._base["logit_bias"] = {str(i): _BANNED_BIAS for i in self.sampling.banned_token_ids}
+
+    def _check_servers(self) -> None:
+        async def inspect_all():
+            ids = checks.probe_ids(self.env.tokenizer)
+            return await asyncio.gather(
+                *(checks.inspect_server(self.fleet, s, ids) for s in self.fleet.servers)
+            )
+
+        checks = self._checks
+        self.answers = self.fleet.run(inspect_all())
+        for answer in self.answers:
+            checks.check_server(answer, self.env, is_unmodified=self.is_unmodified, model=self.options.model)
+        checks.check_fleet(self.answers)
+        for server, answer in zip(self.fleet.servers, self.answers, strict=True):
+            server.model, server.max_model_len = answer["model"], answer["max_model_len"]
+        self.max_model_len = int(self.answers[0]["max_model_len"] or self.env.max_length)
+        self.can_stop_strings = all(a["probe_text"] is not None for a in self.answers)
+        local = self.options.checkpoint_dir or self.answers[0]["root"]
+        self.checkpoint_dir = local if local and Path(local, "config.json").is_file() else None
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.fleet.servers]
+
+    # -- generation --
+    def generate(self, request: WaveRequest) -> WaveResult:
+        """Continue every prompt of ``request`` until its turn ends (EOS id, stop string or its budget)."""
+        if not isinstance(request, WaveRequest):
+            raise TypeError(
+                f"generate takes a WaveRequest (TokenEnv.wave_request()), got {type(request).__name__}"
+            )
+        self._check_open()
+        n = len(request)
+        if n == 0:
+            return empty_result(self.is_unmodified, self.version)
+        budgets = check_budgets(request, self.max_model_len, where="the vLLM servers")
+        seeds = request_seeds(self.seed, self.requests, n, greedy=self.sampling.greedy)
+        base = dict(self._base, stop_token_ids=list(request.eos_token_ids))
+        if request.stop_strings and self.can_stop_strings:
+            base["stop"] = list(request.stop_strings)
+        payloads = [dict(base, prompt=p.tolist(), max_tokens=m, seed=s)
+                    for p, m, s in zip(request.prompts, budgets, seeds, strict=True)]  # fmt: skip
+        with self._thread_lock, self.fleet_lock.shared() as (fleet_version, _):
+            answers = self.fleet.complete(payloads, self._sticky_keys(request))
+        self.requests += n  # only once the wave is complete: a failed wave is sent again with the same seeds
+        choices = [a["choices"][0] for a in answers]
+        log_probs = [(c.get("logprobs") or {}).get("token_logprobs") for c in choices]
+        # stamped with the version the servers hold (a process sharing them may have loaded newer weights)
+        return wave_result([c["token_ids"] for c in choices], log_probs, is_unmodified=self.is_unmodified,
+                           version=max(self.version, fleet_version))  # fmt: skip
+
+    def _sticky_keys(self, request: WaveRequest) -> list:
+        """One key per trajectory: (slot, group, sample) of the prompt the slot works on."""
+        prompt_of = getattr(self.env, "slot_prompt", None)
+        if prompt_of is None:
+            return [None] * len(request)
+        keys = []
+        for slot in request.slots.tolist():
+            p = prompt_of(slot)
+            keys.append(None if p is None else (slot, p.group_id, p.sample_id))
+        return keys
+
+    def _check_open(self) -> None:
+        if self.fleet is None:
+            raise RuntimeError("this VLLMServerPolicy is closed; build a new one")
+
+    # -- weights --
+    def update_weights(self, weights=None) -> int:
+        """Push the trainer's weights into every server (in parallel), reset their prefix caches, bump the version.
+
+        Args:
+            weights: a ``transformers`` state_dict or a TensorDict of weights (transformers names, all of
+                them; a tied output layer missing from it is sent as its embedding); ``None`` reloads the
+                servers' checkpoint directory (after the trainer saved to it).
+
+        Servers that fail to load are marked down (they get the weights when they come back); if none
+        takes them, :class:`NoServerError` is raised and the version is unchanged.
+        """
+        self._check_open()
+        with self._thread_lock:
+            items = None if weights is None else self._weight_items(weights)
+            new = self.version + 1
+            with self.fleet_lock.exclusive() as (fleet_version, _):
+                if fleet_version < new:  # else a process sharing these servers loaded this version already
+                    handle = self.transport.publish(items, new) if items is not None else self._checkpoint()
+                    self.fleet.run(self._load_all(handle, new))
+                    self.fleet_lock.write(new, handle)
+            self.version = new
+        return self.version
+
+    def _checkpoint(self) -> str:
+        if self.checkpoint_dir is None:
+            raise ValueError(f"update_weights(None) reloads the servers' model directory, but "
+                             f"{self.answers[0]['root']!r} is not a directory here; pass the weights")  # fmt: skip
+        return self.checkpoint_dir
+
+    def _weight_items(self, weights) -> list:
+        if self.checkpoint_dir is None:
+            raise ValueError(f"the servers' model path {self.answers[0]['root']!r} is not a directory here, so "
+                             "the weights' names, shapes and tied layers cannot be checked; pass "
+                             "ServerOptions(checkpoint_dir=<a local copy of the served model directory>)")  # fmt: skip
+        if not hasattr(self, "_shapes"):
+            from transformers import AutoConfig
+
+            self._shapes = checkpoint_shapes(self.checkpoint_dir)
+            self._tied = tied_outputs(AutoConfig.from_pretrained(self.checkpoint_dir))
+        return weight_items(weights, self._shapes, self._tied)
+
+    async def _load_one(self, server, handle: str) -> None:
+        for path, body in self.transport.load_calls(handle):
+            await self.fleet.call(server, "POST", path, body)
+        await self.fleet.call(server, "POST", "/reset_prefix_cache")
+
+    async def _load_all(self, handle: str, version: int) -> None:
+        async def load(server):
+            try:
+                await self._load_one(server, handle)
+            except RequestRejected as err:
+                raise ValueError(f"{err}; weight reload needs a server started with VLLM_SERVER_DEV_MODE=1 "
+                                 "(it opens /collective_rpc and /reset_prefix_cache)") from err  # fmt: skip
+            except (self._httpx.HTTPError, OSError) as err:
+                self.fleet.mark_down(server, f"weight reload failed: {type(err).__name__}: {err}"[:300])
+                return
+            server.version = version
+
+        await asyncio.gather(*(load(s) for s in self.fleet.up()))
+        if not self.fleet.up():
+            raise NoServerError(
+                f"no vLLM server took the weights of version {version} ({self.fleet.failures()})"
+            )
+
+    async def _revive(self, server) -> None:
+        """A server marked down answers again: give it the current weights before it takes requests."""
+        await self.fleet.call(server, "GET", "/health", timeout=self.options.connect_timeout_s)
+        version, handle = self.fleet_lock.read()
+        if handle is not None:
+            await self._load_one(server, handle)
+        server.version = version
+
+    # -- state --
+    def set_seed(self, seed: int) -> None:
+        """Restart the per-request seeds from ``seed``."""
+        self.seed, self.requests = int(seed), 0
+
+    def state_dict(self, *, include_cache: bool = True) -> dict:
+        """Seed, request counter and version (the servers' prefix caches are caches: not saved)."""
+        return {"seed": self.seed, "requests": self.requests, "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.seed, self.requests, self.version = (
+            int(state["seed"]),
+            int(state["requests"]),
+            int(state["version"]),
+        )
+
+    def close(self) -> None:
+        """Close the HTTP client and remove this policy's own weight files (the servers keep running)."""
+        fleet, self.fleet = getattr(self, "fleet", None), None
+        if fleet is not None:
+            fleet.close()
+        transport = getattr(self, "transport", None)
+        if transport is not None:
+            transport.close()
+        if self.options.weights_dir is None and getattr(self, "lock_dir", None):
+            shutil.rmtree(self.lock_dir, ignore_errors=True)
