@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from tokengym.collectors.token_collector import TokenCollector
+from tokengym.collectors.token_collector import CollectMode, TokenCollector
 from tokengym.llm_envs import keys
 
 __all__ = ["CollectorWorker", "PackedState", "WorkerSpec", "pack_weights", "unpack_state", "unpack_weights", "worker_seeds"]
@@ -139,10 +139,16 @@ class CollectorWorker:
         env = spec.env_fn()
         base = getattr(env, "base_env", env)
         base.source.shard(index, spec.num_workers)
+        self.collector, self.error = None, None
+        try:
+            kwargs = _worker_kwargs(spec.collector_kwargs, base, index, spec.num_workers)
+        except ValueError as err:  # reported by info(): the driver raises it as it is
+            self.error = err
+            return
         policy = spec.policy_fn(env)
         if hasattr(policy, "set_seed"):
             policy.set_seed(seed)
-        self.collector = TokenCollector(env, policy, **spec.collector_kwargs)
+        self.collector = TokenCollector(env, policy, **kwargs)
         self.iterator = None
         self.lock = threading.Lock()  # an update is queued or applied, never half-way into a batch start
         if env_seed is not None:
@@ -220,10 +226,32 @@ class CollectorWorker:
             self.collector.policy.set_seed(seed)
 
     def info(self) -> dict:
+        if self.error is not None:
+            return {"pid": os.getpid(), "error": self.error, "index": self.index}
         return {"pid": os.getpid(), "version": int(self.collector.policy.version), "index": self.index}
 
     def shutdown(self) -> None:
-        self.collector.shutdown()
+        if self.collector is not None:
+            self.collector.shutdown()
+
+
+def _worker_kwargs(kwargs: dict, env, index: int, num_workers: int) -> dict:
+    """The worker's TokenCollector arguments: a ``TRAJECTORIES`` batch's groups are split over the workers
+    (worker ``i`` collects ``groups // n`` groups, one more for the first ``groups % n``)."""
+    mode = str(getattr(kwargs.get("mode"), "value", kwargs.get("mode")))
+    if mode != CollectMode.TRAJECTORIES.value or kwargs.get("batch_size") is None:
+        return kwargs
+    options, batch_size = kwargs.get("options"), kwargs["batch_size"]
+    group = int(getattr(env.source, "group_size", 1)) if getattr(options, "is_whole_groups", True) else 1
+    if batch_size % group:
+        raise ValueError(f"batch_size={batch_size} trajectories is not a multiple of the env's group_size={group}: "
+                         f"a TRAJECTORIES batch holds whole groups; pass batch_size={max(1, batch_size // group) * group}, "
+                         "or options=CollectorOptions(is_whole_groups=False)")  # fmt: skip
+    groups = batch_size // group
+    if groups < num_workers:
+        raise ValueError(f"batch_size={batch_size} holds {groups} group(s) of {group}, fewer than the {num_workers} "
+                         f"workers: give at least one group per worker (batch_size >= {num_workers * group})")  # fmt: skip
+    return {**kwargs, "batch_size": (groups // num_workers + (index < groups % num_workers)) * group}
 
 
 def _with_worker(err: Exception, index: int, num_workers: int) -> Exception:

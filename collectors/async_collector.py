@@ -34,8 +34,8 @@ class AsyncCollector:
        that publishes once per batch then never sees a token generated more than ``max_staleness``
        updates ago; ``max_staleness=0`` is synchronous collection.
     2. **Drop.** Work that is older anyway is dropped when the batch is handed out: a whole trajectory
-       (``TRAJECTORIES``) that was in flight across more updates, or, in ``STEPS`` mode, the stale steps
-       (masked out). It is counted in ``metrics["dropped_tokens"]`` (with the tokens the collector
+       (``TRAJECTORIES``; with its whole group, so batches keep holding whole groups) that was in flight
+       across more updates, or, in ``STEPS`` mode, the stale steps (masked out). It is counted in ``metrics["dropped_tokens"]`` (with the tokens the collector
        itself dropped under ``in_flight="drop"``), so a ``TRAJECTORIES`` batch may hold fewer
        trajectories than asked for. ``in_flight="drop"`` restarts in-flight trajectories at every
        update, so nothing reaches the hand-out stale.
@@ -80,7 +80,7 @@ class AsyncCollector:
         self._thread: threading.Thread | None = None
         self._is_done = self._is_stopping = self._is_paused = self._is_busy = False
         self._error: BaseException | None = None
-        self.counters = {"dropped_tokens": 0, "collector_wait_s": 0.0, "trainer_wait_s": 0.0}
+        self.counters = {"dropped_tokens": 0, "dropped_stale_groups": 0, "collector_wait_s": 0.0, "trainer_wait_s": 0.0}
 
     # -- the background thread --
     def _produce(self) -> None:
@@ -153,6 +153,11 @@ class AsyncCollector:
             return batch, 0
         if batch.batch_dims == 1 or self.collector.mode == CollectMode.TRAJECTORIES:  # whole trajectories go
             keep = ~stale.reshape(batch.shape[0], -1).any(-1)
+            if getattr(getattr(self.collector, "options", None), "is_whole_groups", True):
+                group = batch.get(keys.GROUP_ID).reshape(batch.shape[0], -1)[:, 0]
+                gone = group[~keep].unique()
+                keep &= ~torch.isin(group, gone)  # with whole groups: a stale sample takes its group along
+                self.counters["dropped_stale_groups"] += len(gone)
             dropped = int(mask.reshape(batch.shape[0], -1)[~keep].sum())
             out = batch.exclude(keys.PROMPTS)[keep]
             out.set_non_tensor(keys.PROMPTS, batch.get_non_tensor(keys.PROMPTS))

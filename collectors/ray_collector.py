@@ -20,6 +20,7 @@ from tokengym.collectors._ray_worker import (
     worker_seeds,
 )
 from tokengym.collectors.policies.protocol import weights_of
+from tokengym.collectors.sinks import write_to_sink
 from tokengym.collectors.token_collector import CollectMode, CollectorOptions
 from tokengym.llm_envs import PromptTable, keys
 
@@ -42,7 +43,8 @@ class RayConfig:
 
     address: str | None = None
     """A Ray cluster to join (``"auto"``, ``"ray://host:10001"``); ``None`` starts a local Ray in this
-    process (``ray.init``), shut down with the collector. A Ray already initialized here is reused."""
+    process (``ray.init``), shut down with the collector. A Ray already initialized in this process (the
+    usual ``ray.init(address=...)`` of the driver) is reused whatever the address, and left running."""
     num_cpus: int | None = None
     """CPUs of the embedded local Ray; default ``num_workers * cpus_per_worker``."""
     cpus_per_worker: int = 1
@@ -64,9 +66,10 @@ class RayTokenCollector:
     prompt) is produced by exactly one worker and keeps the group id of the unsharded stream.
     Trajectory ids are made global (``local * num_workers + i``). Each worker's sampling seed is
     derived from ``seed``. Iterating yields batches like a ``TokenCollector`` whose env has the
-    workers' slots side by side: ``STEPS`` batches are ``(num_workers * B, T)``; a ``TRAJECTORIES``
-    batch holds ``batch_size`` trajectories, split over the workers. Batches are consolidated before
-    they cross Ray.
+    workers' slots side by side: ``STEPS`` batches are ``(num_workers * B, T)`` (TorchRL's
+    ``frames_per_batch`` = ``num_workers * B * T``); a ``TRAJECTORIES`` batch holds ``batch_size``
+    trajectories of whole groups, the groups split over the workers (at least one group each).
+    Batches are consolidated before they cross Ray.
 
     A worker that dies is restarted from the state after its last delivered batch (with the newest
     weights), so no trajectory is lost or duplicated. A worker whose batch raises (a reward function,
@@ -77,8 +80,9 @@ class RayTokenCollector:
         env_fn: picklable ``() -> TokenEnv`` (or a ``TransformedEnv`` of one), called on each worker.
         policy_fn: picklable ``(env) -> policy`` (a :class:`~tokengym.collectors.TokenPolicy`).
         num_workers: Ray actors.
-        mode / batch_size / total_steps: as for :class:`TokenCollector` (``frames_per_batch`` /
-            ``total_frames`` too); ``total_steps`` counts each worker's env steps.
+        mode / batch_size / total_steps: as for :class:`TokenCollector`; ``total_steps`` counts each
+            worker's env steps. ``frames_per_batch`` / ``total_frames`` count TorchRL frames (one env
+            step of one slot) over all workers.
         seed: collector seed; worker ``i`` samples with ``worker_seeds(seed, num_workers)[i]``.
         postproc: applied on the driver to every combined batch (a KL transform, say).
         sink: a ``ReplayBuffer`` (``extend``) or a queue (``put``) on the driver; iteration yields ``None``.
@@ -111,22 +115,22 @@ class RayTokenCollector:
             self.mode = CollectMode(mode)
         except ValueError:
             raise ValueError(f"mode must be one of {[m.value for m in CollectMode]}, got {mode!r}") from None
-        if batch_size is not None and frames_per_batch is not None and batch_size != frames_per_batch:
-            raise ValueError(f"batch_size={batch_size!r} and frames_per_batch={frames_per_batch!r} disagree; pass one")
-        batch_size = batch_size if batch_size is not None else frames_per_batch
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        frames_per_batch, total_frames = _frames_per_worker(self.mode, num_workers, frames_per_batch, total_frames)
+        if batch_size is None and frames_per_batch is None:
+            raise ValueError("pass batch_size (env steps per batch in STEPS mode, trajectories per batch in "
+                             "TRAJECTORIES mode) or, in STEPS mode, TorchRL's frames_per_batch")  # fmt: skip
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
             raise ValueError(f"batch_size / frames_per_batch must be a positive int, got {batch_size!r}")
         for name, value in (("total_steps", total_steps), ("total_frames", total_frames)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -1):
                 raise ValueError(f"{name} must be a positive int or -1 (endless), got {value!r}")
         self.num_workers, self.seed, self.postproc, self.sink = num_workers, seed, postproc, sink
         self.config = ray_config or RayConfig()
-        self.batch_size = batch_size
-        sizes = _split(self.mode, batch_size, num_workers)
-        common = {"mode": mode, "total_steps": total_steps, "total_frames": total_frames, "source": source,
-                  "options": options}  # fmt: skip
-        self._specs = [WorkerSpec(env_fn, policy_fn, {**common, "batch_size": n}, num_workers,
-                                  self.config.cpus_per_worker) for n in sizes]  # fmt: skip
+        self.batch_size, self.options = batch_size, options or CollectorOptions()
+        common = {"mode": mode, "batch_size": batch_size, "total_steps": total_steps, "frames_per_batch": frames_per_batch,
+                  "total_frames": total_frames, "source": source, "options": options}  # fmt: skip
+        self._specs = [WorkerSpec(env_fn, policy_fn, common, num_workers, self.config.cpus_per_worker)
+                       for _ in range(num_workers)]  # fmt: skip
         self._lock = threading.RLock()
         self._is_ray_owner, self._actor_cls = False, None
         self.metrics: dict = {}
@@ -136,7 +140,11 @@ class RayTokenCollector:
         self.workers: list = []
         try:
             self.workers = [self._new_worker(i, None) for i in range(num_workers)]
-            self.version = int(_ray().get(self.workers[0].info.remote())["version"])
+            infos = _ray().get([w.info.remote() for w in self.workers])
+            for info in infos:
+                if info.get("error") is not None:
+                    raise info["error"]  # a configuration error, the same on every worker
+            self.version = int(infos[0]["version"])
         except Exception:
             self.shutdown()
             raise
@@ -149,8 +157,8 @@ class RayTokenCollector:
     # -- Ray lifecycle --
     def _start_ray(self) -> None:
         ray = _ray()
-        if self.config.address is None and ray.is_initialized():
-            return  # the user's Ray: theirs to shut down
+        if ray.is_initialized():
+            return  # the user's Ray (a local one, or the cluster they joined with ray.init(address=...)): theirs
         num_cpus = None
         if self.config.address is None:
             num_cpus = self.config.num_cpus or self.num_workers * self.config.cpus_per_worker
@@ -195,7 +203,7 @@ class RayTokenCollector:
             if self.sink is None:
                 yield batch
                 continue
-            (self.sink.extend if hasattr(self.sink, "extend") else self.sink.put)(batch)
+            write_to_sink(self.sink, batch)
             yield None
 
     def next_batch(self) -> TensorDictBase | None:
@@ -361,14 +369,24 @@ def cat_batches(batches: list[TensorDictBase]) -> TensorDictBase:
     return out
 
 
-def _split(mode, batch_size, num_workers: int) -> list:
-    """Per-worker batch sizes: ``TRAJECTORIES`` splits the trajectories, ``STEPS`` keeps the steps."""
-    if mode != CollectMode.TRAJECTORIES or not isinstance(batch_size, int) or isinstance(batch_size, bool):
-        return [batch_size] * num_workers
-    if batch_size < num_workers:
-        raise ValueError(f"batch_size={batch_size} trajectories cannot be split over {num_workers} workers; "
-                         "give at least one per worker")  # fmt: skip
-    return [batch_size // num_workers + (i < batch_size % num_workers) for i in range(num_workers)]
+def _frames_per_worker(mode, num_workers: int, frames_per_batch, total_frames) -> tuple:
+    """TorchRL's counts of the combined batch turned into each worker's: a ``STEPS`` batch is
+    ``(num_workers * B, T)``, so ``frames_per_batch`` = ``num_workers * B * T`` and each worker collects
+    ``frames_per_batch / num_workers``; ``total_frames`` is shared the same way (rounded up)."""
+    if frames_per_batch is not None:
+        if mode is not CollectMode.STEPS:
+            raise ValueError(f"frames_per_batch={frames_per_batch!r} counts TorchRL frames (tokens of one slot), which "
+                             "size STEPS batches only; a TRAJECTORIES batch holds a number of trajectories: pass "
+                             "batch_size=N (a multiple of group_size)")  # fmt: skip
+        if isinstance(frames_per_batch, bool) or not isinstance(frames_per_batch, int) or frames_per_batch <= 0:
+            raise ValueError(f"frames_per_batch must be a positive int, got {frames_per_batch!r}")
+        if frames_per_batch % num_workers:
+            raise ValueError(f"frames_per_batch={frames_per_batch} is not a multiple of num_workers={num_workers}: a "
+                             "STEPS batch is (num_workers * B, T), num_workers * B * T frames")  # fmt: skip
+        frames_per_batch //= num_workers
+    if isinstance(total_frames, int) and not isinstance(total_frames, bool) and total_frames > 0:
+        total_frames = -(-total_frames // num_workers)
+    return frames_per_batch, total_frames
 
 
 def _check_args(env_fn, policy_fn, num_workers, seed, ray_config, postproc, sink) -> None:

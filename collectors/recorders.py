@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 from tensordict import TensorDict
-from torch.nn.utils.rnn import pad_sequence
 
 from tokengym.llm_envs import keys
 
@@ -69,7 +68,8 @@ class _Packer:
                 offset += int(torch.Size(trailing).numel())
         raise KeyError(name)
 
-    def unpack(self, packed: dict[torch.dtype, torch.Tensor]) -> dict:
+    def unpack(self, packed: dict[torch.dtype, torch.Tensor], *, clone: bool = True) -> dict:
+        """Flat names to tensors (copies, or views of ``packed`` with ``clone=False``)."""
         out = {}
         for dtype, names in self.groups.items():
             offset, data = 0, packed[dtype]
@@ -77,7 +77,8 @@ class _Packer:
                 width = 1
                 for d in trailing:
                     width *= d
-                out[name] = data[..., offset : offset + width].reshape(*data.shape[:-1], *trailing).clone()
+                v = data[..., offset : offset + width].reshape(*data.shape[:-1], *trailing)
+                out[name] = v.clone() if clone else v
                 offset += width
         return out
 
@@ -91,14 +92,15 @@ class StepRecorder:
 
     def __init__(self, steps: int) -> None:
         self.steps, self.t, self.buf, self._packer = steps, 0, None, None
+        self.pieces: list[dict] = []  # wave chunks (B, k, ...) as given: concatenated once, at pop
 
     def write(self, chunk: dict) -> dict | None:
         """Write the first columns of ``chunk`` (B, k, ...) (or a :class:`Step`) that fit; return the rest."""
-        if self.buf is None:
-            self._packer = _Packer(chunk)
-            B = next(iter(chunk.values())).shape[0]
-            self.buf = {dt: v.new_empty(B, self.steps, v.shape[-1]) for dt, v in self._packer.pack(chunk).items()}
         if isinstance(chunk, Step):
+            if self.buf is None:
+                self._packer = _Packer(chunk)
+                B = next(iter(chunk.values())).shape[0]
+                self.buf = {dt: v.new_empty(B, self.steps, v.shape[-1]) for dt, v in self._packer.pack(chunk).items()}
             for dtype, v in self._packer.pack(chunk).items():
                 self.buf[dtype][:, self.t] = v
             self.t += 1
@@ -110,8 +112,7 @@ class StepRecorder:
             chunk = {name: v[:, :take] for name, v in chunk.items()}
         else:
             rest = None
-        for dtype, v in self._packer.pack(chunk).items():
-            self.buf[dtype][:, self.t : self.t + take] = v
+        self.pieces.append(chunk)
         self.t += take
         return rest
 
@@ -121,10 +122,14 @@ class StepRecorder:
 
     def pop(self) -> TensorDict:
         """The batch (B, T); the mask marks steps of live slots."""
-        buf = self.buf if self.t == self.steps else {dt: v[:, : self.t] for dt, v in self.buf.items()}
-        flat = self._packer.unpack(buf)
+        if self.pieces:
+            flat = {name: torch.cat([p[name] for p in self.pieces], 1) if len(self.pieces) > 1 else self.pieces[0][name].clone()
+                    for name in self.pieces[0]}  # fmt: skip
+        else:
+            buf = self.buf if self.t == self.steps else {dt: v[:, : self.t] for dt, v in self.buf.items()}
+            flat = self._packer.unpack(buf)
         flat[_MASK] = flat[_ACTIVE].clone()
-        self.buf, self.t = None, 0
+        self.buf, self.t, self.pieces = None, 0, []
         return _to_tensordict(flat, flat[_MASK].shape)
 
     def flush(self) -> TensorDict | None:
@@ -140,104 +145,223 @@ class StepRecorder:
     def load_state_dict(self, state: dict) -> None:
         if state.get("t", 0):
             raise ValueError("a StepRecorder resumes only at a batch boundary (checkpoint between batches)")
-        self.buf, self.t = None, 0
+        self.buf, self.t, self.pieces = None, 0, []
+
+
+class _Segment:
+    """Rows of finished trajectories, kept as they came (a wave's own tensors, or rows copied out of
+    the live-slot buffer): flat names to (n, W, ...) tensors. A batch gathers its rows once, at pop."""
+
+    __slots__ = ("tensors", "seq")
+
+    def __init__(self, tensors: dict, seq: int) -> None:
+        self.tensors, self.seq = tensors, seq
 
 
 class TrajectoryRecorder:
-    """Finished trajectories, right-padded to (N, T); each slot's live trajectory is kept in (B, T_max) rows.
+    """Finished trajectories, right-padded to (N, T), released by whole groups.
 
-    Steps are stored packed, one tensor per dtype (B, T_max, n), so a step is written with a few
-    copies and a finished trajectory is copied out with one clone per dtype.
+    A finished trajectory is a reference (segment, row, length): a wave's rows that hold whole
+    trajectories are kept as the wave gave them (no copy), and a trajectory built step by step (the
+    step source, or a multi-turn turn that continues in the next wave) lives in packed (B, T_max)
+    rows until it ends, then is copied out once. Finished trajectories wait per group until the
+    group's ``group_size`` samples are in; complete groups are released in the order they completed,
+    and a batch's tensors are gathered once, in :meth:`pop`. Waiting is bounded: every waiting group
+    has a sample in a slot or in the prompt source (a group whose prompt failed is dropped with
+    :meth:`drop_groups`), so at most ``(B + 1) * (group_size - 1)`` trajectories wait.
 
     Args:
-        batch_size: ``N``, trajectories per batch.
+        batch_size: ``N``, trajectories per batch (a multiple of ``group_size``).
         max_steps: the longest trajectory (the env's ``max_new_tokens``).
+        group_size: samples per group; 1 releases every trajectory at once.
         is_fixed_width: pad every batch to ``max_steps`` (batches then stack in a replay buffer).
     """
 
-    def __init__(self, batch_size: int, max_steps: int, *, is_fixed_width: bool = False) -> None:
+    def __init__(self, batch_size: int, max_steps: int, *, group_size: int = 1, is_fixed_width: bool = True) -> None:
+        if batch_size % group_size:
+            raise ValueError(f"batch_size={batch_size} is not a multiple of group_size={group_size}")
         self.batch_size, self.max_steps, self.is_fixed_width = batch_size, max_steps, is_fixed_width
-        self.buf: dict | None = None  # dtype -> (B, T_max, n)
+        self.group_size = group_size
+        self.buf: dict | None = None  # dtype -> (B, T_max, n): trajectories written step by step
         self._packer: _Packer | None = None
-        self.finished: list[tuple[dict, int]] = []  # (packed rows {dtype: (length, n)}, length)
+        self.ready: list[tuple] = []  # (segment, row, length, group, traj) of complete groups
+        self.waiting: dict[int, list[tuple]] = {}  # group -> its finished trajectories so far
+        self._seq = 0
+        self.counters = {"dropped_groups": 0, "dropped_trajectories": 0}
 
+    # -- writing --
     def write(self, chunk: dict) -> None:
-        """Write k steps (B, k, ...) (or a :class:`Step`) at each live slot's response position; copy out
-        finished rows."""
+        """Record k steps (B, k, ...) (or a :class:`Step`); trajectories that end are queued by group."""
+        if isinstance(chunk, Step):
+            self._write_steps(chunk)
+            return None
+        active = chunk[_ACTIVE]  # (B, k)
+        done = chunk[_DONE].reshape(active.shape) & active
+        ends = done.any(1)
+        whole = ends & active[:, 0] & (chunk[_RESP][:, 0] == 0)  # the wave holds the whole trajectory
+        rest = active[:, 0] & ~whole
+        if bool(rest.any()):
+            self._write_steps(chunk, rows=rest.nonzero().squeeze(-1))
+        if bool(whole.any()):
+            rows = whole.nonzero().squeeze(-1)
+            lengths = done[rows].int().argmax(1) + 1
+            self._finish(_Segment(chunk, self._next_seq()), rows, lengths, chunk[_GROUP][rows, 0], chunk[_TRAJ][rows, 0])
+        return None
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _write_steps(self, chunk: dict, rows: torch.Tensor | None = None) -> None:
+        """Write live steps into the (B, T_max) rows at their response positions; copy out rows that end."""
         if self._packer is None:
             self._packer = _Packer(chunk)
-        packed = self._packer.pack(chunk)
-        if self.buf is None:
-            self.buf = {dt: v.new_zeros(v.shape[0], self.max_steps, v.shape[-1]) for dt, v in packed.items()}
-        live = chunk[_ACTIVE]  # (B,) or (B, k)
         if isinstance(chunk, Step):
-            rows = live.nonzero().squeeze(-1)
-            pos = chunk[_RESP][rows]  # response position of each live step
+            packed = self._packer.pack(chunk)
+            if self.buf is None:
+                self.buf = {dt: v.new_zeros(v.shape[0], self.max_steps, v.shape[-1]) for dt, v in packed.items()}
+            rows = chunk[_ACTIVE].nonzero().squeeze(-1)
+            pos = chunk[_RESP][rows]
             for dt, v in packed.items():
                 self.buf[dt][rows, pos] = v[rows]
             done = chunk[_DONE].reshape(-1)[rows]
         else:
-            rows, cols = live.nonzero(as_tuple=True)
-            pos = chunk[_RESP][rows, cols]
+            part = {name: v[rows] for name, v in chunk.items()}
+            packed = self._packer.pack(part)
+            if self.buf is None:
+                B = chunk[_ACTIVE].shape[0]
+                self.buf = {dt: v.new_zeros(B, self.max_steps, v.shape[-1]) for dt, v in packed.items()}
+            r, cols = part[_ACTIVE].nonzero(as_tuple=True)
+            pos = part[_RESP][r, cols]
             for dt, v in packed.items():
-                self.buf[dt][rows, pos] = v[rows, cols]
-            done = chunk[_DONE].reshape(live.shape)[rows, cols]
+                self.buf[dt][rows[r], pos] = v[r, cols]
+            done = part[_DONE].reshape(part[_ACTIVE].shape)[r, cols]
+            rows = rows[r]
         if bool(done.any()):
-            ended = rows[done]
-            copies = {dt: v[ended] for dt, v in self.buf.items()}  # one copy per dtype for all finished rows
-            for i, n in enumerate((pos[done] + 1).tolist()):
-                # views of the copies; steps past n hold an older trajectory of the slot
-                self.finished.append(({dt: v[i, :n] for dt, v in copies.items()}, n))
-        return None
+            ended, lengths = rows[done], pos[done] + 1
+            copies = {dt: v[ended] for dt, v in self.buf.items()}  # one copy per dtype for all ended rows
+            seg = _Segment(self._packer.unpack(copies, clone=False), self._next_seq())
+            g_dt, g_col = self._packer.column(_GROUP)
+            t_dt, t_col = self._packer.column(_TRAJ)
+            self._finish(seg, torch.arange(len(ended)), lengths, copies[g_dt][:, 0, g_col], copies[t_dt][:, 0, t_col])
 
+    def _finish(self, seg: _Segment, rows, lengths, groups, trajs) -> None:
+        for entry in zip([seg] * len(rows), rows.tolist(), lengths.tolist(), groups.tolist(), trajs.tolist(), strict=True):
+            self._queue(entry)
+
+    def _queue(self, entry: tuple) -> None:
+        if self.group_size == 1:
+            self.ready.append(entry)
+            return
+        members = self.waiting.setdefault(entry[3], [])
+        members.append(entry)
+        if len(members) == self.group_size:
+            self.ready.extend(self.waiting.pop(entry[3]))
+
+    def drop_groups(self, groups) -> int:
+        """Drop the waiting trajectories of ``groups`` (groups that can no longer complete); returns how many."""
+        n = 0
+        for g in groups:
+            members = self.waiting.pop(int(g), None)
+            if members:
+                n += len(members)
+                self.counters["dropped_groups"] += 1
+                self.counters["dropped_trajectories"] += len(members)
+        return n
+
+    # -- reading --
     @property
     def is_full(self) -> bool:
-        return len(self.finished) >= self.batch_size
+        return len(self.ready) >= self.batch_size
+
+    @property
+    def num_waiting(self) -> int:
+        """Finished trajectories waiting for the rest of their group."""
+        return sum(len(m) for m in self.waiting.values())
 
     def pop(self, n: int | None = None) -> TensorDict:
-        """Right-padded (n, T) tensors of the first ``n`` finished trajectories, with mask and versions."""
+        """Right-padded (n, T) tensors of the first ``n`` ready trajectories, with mask and versions."""
         n = self.batch_size if n is None else n
-        take, self.finished = self.finished[:n], self.finished[n:]
-        lengths = torch.tensor([length for _, length in take])
+        take, self.ready = self.ready[:n], self.ready[n:]
+        take.sort(key=lambda e: (e[0].seq, e[1]))  # one gather per segment, in an order a resume reproduces
+        lengths = torch.tensor([e[2] for e in take])
         width = self.max_steps if self.is_fixed_width else int(lengths.max())
-        packed = {}
-        for dt in take[0][0]:
-            rows = pad_sequence([row[dt] for row, _ in take], batch_first=True)  # (n, longest, cols), zeros
-            packed[dt] = torch.nn.functional.pad(rows, (0, 0, 0, width - rows.shape[1])) if rows.shape[1] < width else rows
-        out = self._packer.unpack(packed)
-        out[_MASK] = torch.arange(width)[None, :] < lengths[:, None]
+        out = _gather(take, width)
+        mask = torch.arange(width)[None, :] < lengths[:, None]
+        for v in out.values():
+            v.masked_fill_(~mask.reshape(*mask.shape, *([1] * (v.dim() - 2))), 0)  # padding is zeros
+        out[_MASK] = mask
         version, last = out[_VERSION], (lengths - 1)[:, None]
         out[flat_name(keys.VERSION_START)] = version[:, :1].expand_as(version).clone()
         out[flat_name(keys.VERSION_END)] = version.gather(1, last).expand_as(version).clone()
-        return _to_tensordict(out, out[_MASK].shape)
+        return _to_tensordict(out, mask.shape)
 
     def flush(self) -> TensorDict | None:
-        return self.pop(len(self.finished)) if self.finished else None
-
-    def _queued(self, name: str) -> list[int]:
-        if not self.finished:
-            return []
-        dt, col = self._packer.column(name)
-        return [int(row[dt][0, col]) for row, _ in self.finished]
+        """The ready trajectories (fewer than a batch), or ``None``; unfinished groups keep waiting."""
+        return self.pop(len(self.ready)) if self.ready else None
 
     def queued_trajectories(self) -> list[int]:
         """Trajectory ids finished but not yet popped."""
-        return self._queued(_TRAJ)
+        return [e[4] for e in self._entries()]
 
     def queued_groups(self) -> list[int]:
-        return self._queued(_GROUP)
+        return [e[3] for e in self._entries()]
 
+    def _entries(self) -> list[tuple]:
+        return self.ready + [e for members in self.waiting.values() for e in members]
+
+    # -- checkpoints --
     def state_dict(self) -> dict:
-        """Per key (as TensorDict's flat names), so checkpoints do not depend on the packing."""
-        if self.buf is None:
-            return {"buf": None, "finished": []}
-        return {"buf": self._packer.unpack(self.buf),
-                "finished": [(self._packer.unpack(row), n) for row, n in self.finished]}  # fmt: skip
+        """Plain data per key (TensorDict's flat names), so checkpoints do not depend on the packing:
+        the live rows, and every queued trajectory's rows compacted into one segment per segment."""
+        entries = self._entries()
+        segs: dict[int, list] = {}
+        for e in sorted(entries, key=lambda e: (e[0].seq, e[1])):
+            segs.setdefault(e[0].seq, [e[0], []])[1].append(e[1])
+        saved, where = [], {}
+        for seq, (seg, rows) in segs.items():
+            index = torch.tensor(rows)
+            saved.append({name: v[index].clone() for name, v in seg.tensors.items()})
+            for i, r in enumerate(rows):
+                where[(seq, r)] = (len(saved) - 1, i)
+        as_data = [[*where[(e[0].seq, e[1])], e[2], e[3], e[4]] for e in entries]
+        return {"buf": None if self.buf is None else self._packer.unpack(self.buf), "segments": saved,
+                "entries": as_data, "num_ready": len(self.ready), "counters": dict(self.counters)}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        if state["buf"] is None:
-            self.buf, self._packer, self.finished = None, None, []
-            return
-        self._packer = _Packer(state["buf"])  # (B, T_max, ...) per key
-        self.buf = self._packer.pack(state["buf"])
-        self.finished = [(self._packer.pack(row, lead=1), int(n)) for row, n in state["finished"]]
+        self.buf, self._packer = None, None
+        if state["buf"] is not None:
+            self._packer = _Packer(state["buf"])  # (B, T_max, ...) per key
+            self.buf = self._packer.pack(state["buf"])
+        segs = [_Segment(tensors, i + 1) for i, tensors in enumerate(state["segments"])]
+        self._seq = len(segs)
+        entries = [(segs[s], r, n, g, t) for s, r, n, g, t in state["entries"]]
+        self.ready, self.waiting = entries[: state["num_ready"]], {}
+        for e in entries[state["num_ready"] :]:
+            self.waiting.setdefault(e[3], []).append(e)
+        self.counters.update(state.get("counters", {}))
+
+
+def _gather(take: list[tuple], width: int) -> dict:
+    """Per key, the rows of ``take`` (sorted by segment) cut or zero-padded to ``width``: one gather per segment."""
+    parts: list[tuple[_Segment, torch.Tensor]] = []
+    i = 0
+    while i < len(take):
+        j = i
+        while j < len(take) and take[j][0] is take[i][0]:
+            j += 1
+        parts.append((take[i][0], torch.tensor([e[1] for e in take[i:j]])))
+        i = j
+    out = {}
+    for name, first in parts[0][0].tensors.items():
+        if len(parts) == 1 and first.shape[1] >= width:
+            out[name] = first[:, :width].index_select(0, parts[0][1])
+            continue
+        v = first.new_zeros(len(take), width, *first.shape[2:])
+        offset = 0
+        for seg, rows in parts:
+            src = seg.tensors[name][:, :width]
+            v[offset : offset + len(rows), : src.shape[1]] = src.index_select(0, rows)
+            offset += len(rows)
+        out[name] = v
+    return out

@@ -14,6 +14,7 @@ from tokengym.collectors._checkpoint import collector_state, load_collector_stat
 from tokengym.collectors._metrics import batch_metrics
 from tokengym.collectors.policies.protocol import as_token_policy
 from tokengym.collectors.recorders import Step, StepRecorder, TrajectoryRecorder
+from tokengym.collectors.sinks import write_to_sink
 from tokengym.collectors.sources import SourceKind, make_source
 from tokengym.llm_envs import PromptTable, TokenEnv, keys
 
@@ -23,9 +24,10 @@ __all__ = ["CollectMode", "InFlight", "TokenCollector"]
 class CollectMode(StrEnum):
     """What one yielded batch holds.
 
-    ``STEPS``: ``frames_per_batch`` env steps of every slot, shape (B, T); a trajectory may span
-    batches and keeps its id. ``TRAJECTORIES``: ``frames_per_batch`` finished trajectories, shape
-    (N, T), right-padded (``keys.MASK`` marks real steps).
+    ``STEPS``: ``batch_size`` env steps of every slot, shape (B, T) (TorchRL's ``frames_per_batch``
+    = B * T); a trajectory may span batches and keeps its id. ``TRAJECTORIES``: ``batch_size``
+    finished trajectories of whole groups, shape (N, T), right-padded to ``max_new_tokens``
+    (``keys.MASK`` marks real steps).
     """
 
     STEPS = "steps"
@@ -46,14 +48,18 @@ class TokenCollector:
 
     A step source advances the env (``source="step"``: one token per slot per step; ``"wave"``: the
     policy generates every live slot's turn at once and the env unrolls it; both give the same
-    steps), a recorder turns steps into batches (:class:`CollectMode`). TorchRL names are accepted:
-    ``frames_per_batch`` = ``batch_size``, ``total_frames`` = ``total_steps``.
+    steps), a recorder turns steps into batches (:class:`CollectMode`). TorchRL's names count frames
+    as TorchRL does, a frame being one env step of one slot (one token position): ``frames_per_batch=40``
+    with 4 slots gives (4, 10) ``STEPS`` batches, ``total_frames`` stops after that many slot steps.
+    ``frames_per_batch`` does not apply to ``TRAJECTORIES`` batches (their size is a number of
+    trajectories: ``batch_size``).
 
     Args:
         env: a :class:`~tokengym.llm_envs.TokenEnv` (or a ``TransformedEnv`` of one).
         policy: a :class:`~tokengym.collectors.TokenPolicy`, e.g. :class:`~tokengym.collectors.TransformersPolicy`.
         mode: a :class:`CollectMode` or its string.
-        batch_size: env steps per batch (``STEPS``) or trajectories per batch (``TRAJECTORIES``).
+        batch_size: env steps per batch (``STEPS``) or trajectories per batch (``TRAJECTORIES``; a
+            multiple of the env's ``group_size``: a batch holds whole groups).
         total_steps: stop after this many env steps (each is ``B`` tokens); -1 runs until the
             prompt source is exhausted (forever for a repeating source).
         source: a :class:`~tokengym.collectors.sources.SourceKind` or its string; ``None`` steps
@@ -65,7 +71,9 @@ class TokenCollector:
         logger: a TorchRL logger (``torchrl.record.loggers``: CSV, TensorBoard, W&B...); every batch's
             metrics are logged at the collector's step count.
         options: a :class:`CollectorOptions` (rarely needed: last-step-only batches, fixed width,
-            in-flight policy on weight updates, progress bar).
+            whole groups, in-flight policy on weight updates, progress bar).
+        frames_per_batch: TorchRL's batch size in ``STEPS`` mode: ``B * batch_size`` (a multiple of ``B``).
+        total_frames: TorchRL's budget: ``B * total_steps`` (rounded up to whole env steps).
 
     Example:
         >>> from tokengym.llm_envs import TokenEnv
@@ -97,33 +105,50 @@ class TokenCollector:
     ) -> None:
         self.mode = _check_mode(mode)
         self.options = _options(options, legacy)
-        batch_size = _alias("batch_size", batch_size, "frames_per_batch", frames_per_batch)
-        total_steps = _alias("total_steps", total_steps if total_steps != -1 else None, "total_frames", total_frames)
-        total_steps = -1 if total_steps is None else total_steps
-        _check_args(self.mode, batch_size, total_steps, self.options, sink, postproc)
         base = getattr(env, "base_env", env)
         if not isinstance(base, TokenEnv):
             raise TypeError(f"env must be a TokenEnv or a TransformedEnv of one, got {type(base).__name__}")
+        batch_size, total_steps = frames_to_steps(self.mode, base.batch_size[0], batch_size, total_steps,
+                                                  frames_per_batch, total_frames)  # fmt: skip
+        _check_args(self.mode, batch_size, total_steps, self.options, sink, postproc)
+        self.group_size = int(getattr(base.source, "group_size", 1))
+        if self.mode is CollectMode.TRAJECTORIES and self.options.is_whole_groups and batch_size % self.group_size:
+            raise ValueError(f"batch_size={batch_size} trajectories is not a multiple of the env's group_size="
+                             f"{self.group_size}: a TRAJECTORIES batch holds whole groups; pass batch_size="
+                             f"{max(1, batch_size // self.group_size) * self.group_size}, or "
+                             "options=CollectorOptions(is_whole_groups=False) to let groups span batches")  # fmt: skip
         policy = as_token_policy(policy)
         self.env, self.base_env, self.policy = env, base, policy
         self.batch_size, self.total_steps, self.postproc, self.sink = batch_size, total_steps, postproc, sink
         self.logger = logger
         self.source = make_source(source, env, policy)
         self.steps_done, self.metrics, self.is_started = 0, {}, False
-        self.prompts = PromptTable()
+        self.prompts = PromptTable(pad_token_id=base.tokenizer.pad_token_id)  # the layouts pad with it
         self.pending: dict | None = None  # steps of a wave that did not fit into the last batch
         self._lock = threading.Lock()
         self._queued_weights: list = []  # weight updates asked for while collecting (another thread)
         self._collect_thread: int | None = None  # the thread iterating this collector
         self.num_threads = torch.get_num_threads()
-        self.counters = {"dropped_tokens": 0, "weight_updates": 0}
+        self.counters = {"dropped_tokens": 0, "weight_updates": 0, "failed_prompts": 0}
         self.recorder = self.new_recorder()
 
     def new_recorder(self) -> StepRecorder | TrajectoryRecorder:
         if self.mode is CollectMode.STEPS:
             return StepRecorder(self.batch_size)
-        return TrajectoryRecorder(self.batch_size, self.base_env.max_new_tokens,
+        group_size = self.group_size if self.options.is_whole_groups else 1
+        return TrajectoryRecorder(self.batch_size, self.base_env.max_new_tokens, group_size=group_size,
                                   is_fixed_width=self.options.is_fixed_width)  # fmt: skip
+
+    def _drop_orphans(self) -> None:
+        """Drop waiting groups that can no longer complete (a sample's prompt failed to load): no slot and
+        no sample still to come from the prompt source holds them."""
+        if not isinstance(self.recorder, TrajectoryRecorder) or not self.recorder.waiting:
+            return
+        live = {p.group_id for b in range(self.base_env.batch_size[0]) if (p := self.base_env.slot_prompt(b))}
+        cursor = self.base_env.source.state_dict()
+        if cursor.get("sample", self.group_size) < self.group_size:
+            live.add(cursor["group"] - 1)  # the group being drawn still has samples to give
+        self.recorder.drop_groups([g for g in self.recorder.waiting if g not in live])
 
     # -- collecting --
     def _remember_prompts(self, slots) -> None:
@@ -145,6 +170,10 @@ class TokenCollector:
             self.steps_done += 1 if isinstance(chunk, Step) else next(iter(chunk.values())).shape[1]
             self.pending = self.recorder.write(chunk)
         if error is not None:
+            self.counters["failed_prompts"] += len(getattr(error, "slots", ()) or ())
+        if self.counters["failed_prompts"]:
+            self._drop_orphans()
+        if error is not None:
             raise error  # recorded first: iterate again to go on with the next prompts
 
     def _has_budget(self) -> bool:
@@ -157,6 +186,7 @@ class TokenCollector:
             self._remember_prompts(slots)
             self.is_started = True
             if error is not None:
+                self.counters["failed_prompts"] += len(getattr(error, "slots", ()) or ())
                 raise error
         start, steps0 = time.perf_counter(), self.steps_done
         if self.pending is not None:
@@ -178,6 +208,9 @@ class TokenCollector:
         self.metrics = batch_metrics(batch, time.perf_counter() - start, self.policy.version, self.steps_done,
                                      is_last_step_only=self.options.is_last_step_only)  # fmt: skip
         self.metrics.update(self.counters)
+        self.metrics.update(self.base_env.prompt_counts)  # over-long prompts skipped / truncated
+        if isinstance(self.recorder, TrajectoryRecorder):
+            self.metrics.update(self.recorder.counters, waiting_trajectories=self.recorder.num_waiting)
         extra = getattr(self.postproc, "metrics", None)
         if callable(extra):
             self.metrics.update(extra())
@@ -213,7 +246,7 @@ class TokenCollector:
             if self.sink is None:
                 yield batch
                 continue
-            (self.sink.extend if hasattr(self.sink, "extend") else self.sink.put)(batch)
+            write_to_sink(self.sink, batch)
             yield None
         self._collect_thread = None
         if bar is not None:
@@ -300,15 +333,20 @@ class CollectorOptions:
 
     Args:
         is_last_step_only: in ``TRAJECTORIES`` mode, keep only each trajectory's last step (N,).
-        is_fixed_width: in ``TRAJECTORIES`` mode, pad every batch to ``max_new_tokens`` steps, so
-            batches of different runs stack (a TorchRL ``ReplayBuffer`` with ``LazyTensorStorage``).
+        is_fixed_width: in ``TRAJECTORIES`` mode, pad every batch to ``max_new_tokens`` steps (the
+            default), so batches stack in a TorchRL ``ReplayBuffer`` with ``LazyTensorStorage``;
+            False trims each batch to its longest trajectory (use a ``ListStorage`` then).
+        is_whole_groups: in ``TRAJECTORIES`` mode, a batch holds whole groups (all ``group_size``
+            samples of a prompt; the default): finished samples wait for the rest of their group.
+            False releases every trajectory as it finishes (groups may span batches).
         in_flight: an :class:`InFlight` (or its string): trajectories in flight at a weight update.
         use_progress_bar: a tqdm bar of collected tokens on stderr (only when stderr is a terminal).
     """
 
-    def __init__(self, *, is_last_step_only: bool = False, is_fixed_width: bool = False,
+    def __init__(self, *, is_last_step_only: bool = False, is_fixed_width: bool = True, is_whole_groups: bool = True,
                  in_flight: InFlight | str = InFlight.CONTINUE, use_progress_bar: bool = False) -> None:  # fmt: skip
         self.is_last_step_only, self.is_fixed_width = is_last_step_only, is_fixed_width
+        self.is_whole_groups = is_whole_groups
         try:
             self.in_flight = InFlight(in_flight)
         except ValueError:
@@ -317,7 +355,7 @@ class CollectorOptions:
 
 
 def _options(options: CollectorOptions | None, legacy: dict) -> CollectorOptions:
-    known = {"is_last_step_only", "is_fixed_width", "in_flight", "use_progress_bar"}
+    known = {"is_last_step_only", "is_fixed_width", "is_whole_groups", "in_flight", "use_progress_bar"}
     unknown = set(legacy) - known
     if unknown:
         raise TypeError(f"TokenCollector got unexpected arguments {sorted(unknown)}; see its docstring")
@@ -328,10 +366,37 @@ def _options(options: CollectorOptions | None, legacy: dict) -> CollectorOptions
     return options or CollectorOptions(**legacy)
 
 
-def _alias(name: str, value, torchrl_name: str, torchrl_value):
-    if value is not None and torchrl_value is not None and value != torchrl_value:
-        raise ValueError(f"{name}={value!r} and {torchrl_name}={torchrl_value!r} disagree; pass one of them")
-    return value if value is not None else torchrl_value
+def frames_to_steps(mode, slots: int, batch_size, total_steps, frames_per_batch, total_frames) -> tuple:
+    """``(batch_size, total_steps)`` from tokengym's and TorchRL's names; a TorchRL frame is one env step of
+    one slot, so ``frames_per_batch = slots * batch_size`` (``STEPS`` only) and ``total_frames = slots * total_steps``.
+
+    Example:
+        >>> frames_to_steps(CollectMode.STEPS, 4, None, -1, 40, 100)  # (4, 10) batches, 25 env steps
+        (10, 25)
+    """
+    for name, value in (("frames_per_batch", frames_per_batch), ("total_frames", total_frames)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name} must be a positive int (TorchRL frames: env steps of one slot), got {value!r}")
+    if frames_per_batch is not None:
+        if mode is not CollectMode.STEPS:
+            raise ValueError(f"frames_per_batch={frames_per_batch} counts TorchRL frames (tokens of one slot), which "
+                             "size STEPS batches only; a TRAJECTORIES batch holds a number of trajectories: pass "
+                             "batch_size=N (a multiple of group_size)")  # fmt: skip
+        if frames_per_batch % slots:
+            raise ValueError(f"frames_per_batch={frames_per_batch} is not a multiple of the env's {slots} slots: a "
+                             f"STEPS batch (B, T) holds B * T frames; pass frames_per_batch={slots} * T")  # fmt: skip
+        steps = frames_per_batch // slots
+        if batch_size is not None and batch_size != steps:
+            raise ValueError(f"batch_size={batch_size!r} and frames_per_batch={frames_per_batch} ({slots} slots x "
+                             f"{steps} steps) disagree; pass one of them")  # fmt: skip
+        batch_size = steps
+    if total_frames is not None:
+        steps = -(-total_frames // slots)
+        if total_steps not in (-1, None) and total_steps != steps:
+            raise ValueError(f"total_steps={total_steps!r} and total_frames={total_frames} ({slots} slots x {steps} "
+                             "steps) disagree; pass one of them")  # fmt: skip
+        total_steps = steps
+    return batch_size, -1 if total_steps is None else total_steps
 
 
 def _check_args(mode, batch_size, total_steps, options, sink, postproc) -> None:

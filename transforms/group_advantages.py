@@ -1,9 +1,11 @@
 """Group-relative advantages (GRPO, Dr.GRPO, RLOO, REINFORCE++ baseline) over ``keys.GROUP_ID``.
 
 Each trajectory's score is the sum of its rewards; its advantage is broadcast to every valid
-generated token. Groups are the samples of one prompt found in the batch: a group with fewer
-samples than expected (unequal sizes, or split across batches) is estimated on what is present,
-and a group of one sample gets advantage 0. Pass ``group_size`` to get a ValueError instead.
+generated token. Groups are the samples of one prompt found in the batch, and a batch must hold
+whole groups (a ``TRAJECTORIES`` batch of a :class:`~tokengym.collectors.TokenCollector` does):
+:class:`GroupAdvantage` raises a ValueError on a fragment (groups of unequal sizes, or sample ids
+missing) rather than normalising over it. ``use_partial_groups=True`` estimates on the samples
+present instead (a group of one sample then gets advantage 0).
 
 Scores are summed and group statistics computed in float64, so a group whose scores are all equal
 has a mean equal to that score and a std of exactly 0, and gets an advantage of exactly 0 (in
@@ -134,7 +136,11 @@ class GroupAdvantage(BatchTransform):
         estimator: ``"grpo"``, ``"dr_grpo"``, ``"rloo"`` or ``"reinforce_pp"`` (an :class:`AdvantageEstimator`).
         eps: added to the group std (GRPO).
         normalize: whiten the token advantages over the batch; default True for ``"reinforce_pp"`` only.
-        group_size: if set, a group with another number of samples raises ValueError.
+        group_size: samples per group; a group with another number of samples raises ValueError.
+            ``None``: every group must have the size of the largest group in the batch, with sample
+            ids ``0 .. size - 1`` (when the batch holds ``keys.SAMPLE_ID``).
+        use_partial_groups: estimate on the samples present, whole group or not (groups split across
+            batches, unequal sizes) instead of raising.
         reward_key: the reward summed into the score (``keys.REWARD``; use ``keys.REWARD_RAW`` to
             ignore KL shaping).
 
@@ -148,7 +154,7 @@ class GroupAdvantage(BatchTransform):
     """
 
     def __init__(self, estimator: str | AdvantageEstimator = "grpo", *, eps: float = 1e-6, normalize: bool | None = None,
-                 group_size: int | None = None, reward_key=keys.REWARD) -> None:  # fmt: skip
+                 group_size: int | None = None, reward_key=keys.REWARD, use_partial_groups: bool = False) -> None:  # fmt: skip
         self.estimator = AdvantageEstimator.parse(estimator)
         if self.estimator not in _GROUP_ESTIMATORS:
             raise ValueError(f"GroupAdvantage takes a group estimator {[e.value for e in _GROUP_ESTIMATORS]}, got "
@@ -159,18 +165,14 @@ class GroupAdvantage(BatchTransform):
                          out_keys=[keys.ADVANTAGE])  # fmt: skip
         self.eps = check_number("eps", eps, low=0.0)
         self.normalize = self.estimator is AdvantageEstimator.REINFORCE_PP if normalize is None else bool(normalize)
-        self.group_size = group_size
+        self.group_size, self.use_partial_groups = group_size, bool(use_partial_groups)
         self.reward_key = reward_key
 
     def _apply_batch(self, td: TensorDictBase) -> TensorDictBase:
         owner = type(self).__name__
         seq, scores, groups = sequence_scores(td, reward_key=self.reward_key, owner=owner)
-        if self.group_size is not None and len(groups):
-            _, counts = torch.unique(groups, return_counts=True)
-            if bool((counts != self.group_size).any()):
-                raise ValueError(f"{owner}: expected groups of {self.group_size} samples, found sizes "
-                                 f"{sorted(set(counts.tolist()))}; collect whole groups or pass group_size=None "
-                                 "to estimate on the samples present")  # fmt: skip
+        if not self.use_partial_groups and len(groups):
+            self._check_whole(td, seq, groups)
         adv_seq = group_advantages(scores, groups, self.estimator, eps=self.eps)
         mask = seq >= 0
         adv = adv_seq[seq.clamp(min=0)] * mask
@@ -178,6 +180,26 @@ class GroupAdvantage(BatchTransform):
             adv = masked_whiten(adv, mask)
         td.set(keys.ADVANTAGE, adv.unsqueeze(-1))
         return td
+
+    def _check_whole(self, td: TensorDictBase, seq: torch.Tensor, groups: torch.Tensor) -> None:
+        owner = type(self).__name__
+        ids, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+        size = self.group_size if self.group_size is not None else int(counts.max())
+        fix = ("collect whole groups (TokenCollector TRAJECTORIES batches hold them by default) or pass "
+               f"{owner}(use_partial_groups=True) to estimate on the samples present")  # fmt: skip
+        if bool((counts != size).any()):
+            bad = int(ids[(counts != size).nonzero()[0, 0]])
+            raise ValueError(f"{owner}: the batch holds a fragment of a group: group {bad} has "
+                             f"{int(counts[ids == bad][0])} samples, expected {size} (sizes found "
+                             f"{sorted(set(counts.tolist()))}); {fix}")  # fmt: skip
+        if keys.SAMPLE_ID in td.keys():
+            mask = seq >= 0
+            sample = torch.zeros(len(groups), dtype=torch.int64)
+            sample[seq[mask]] = td.get(keys.SAMPLE_ID)[mask]
+            if bool((sample >= size).any()):
+                bad = int(groups[(sample >= size).nonzero()[0, 0]])
+                raise ValueError(f"{owner}: group {bad} holds sample id {int(sample.max())} but only {size} samples "
+                                 f"are in the batch: the group is split across batches; {fix}")  # fmt: skip
 
     def __repr__(self) -> str:
         return f"GroupAdvantage(estimator={self.estimator.value!r}, normalize={self.normalize})"

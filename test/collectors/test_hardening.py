@@ -41,7 +41,7 @@ def test_bad_prompt_mid_collection_is_named_skipped_and_nothing_is_lost(tokenize
     items = ["1+1=", "2+2=", "3+3=", {"no_prompt_field": 1}, "4+4=", "5+5=", "6+6="]
     env = TokenEnv(PromptSource(items, tokenizer, group_size=2, epochs=1), tokenizer, batch_size=2,
                    max_new_tokens=3, model_config=model.config, eos_token_ids=list(range(1, 512, 3)))  # fmt: skip
-    collector = TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=3, source=source)
+    collector = TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=4, source=source)
     got, errors = [], []
     while True:
         try:

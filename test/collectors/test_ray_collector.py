@@ -146,7 +146,7 @@ def test_workers_are_ordinary_collectors_on_shards_and_take_weights():
 def test_steps_batches_put_the_workers_slots_side_by_side():
     sink = queue.Queue()
     with RayTokenCollector(functools.partial(make_env, epochs=None), make_policy, num_workers=2, mode="steps",
-                           frames_per_batch=3, total_frames=6, sink=sink) as collector:  # fmt: skip
+                           frames_per_batch=12, total_frames=24, sink=sink) as collector:  # fmt: skip
         with pytest.raises(ValueError, match="needs the weights"):
             collector.update_policy_weights_()
         assert list(collector) == [None, None]
@@ -243,9 +243,11 @@ def test_async_over_ray_workers_bounds_staleness():
     [({"num_workers": 0}, ValueError, "num_workers must be a positive int, got 0"),
      ({"mode": "episodes"}, ValueError, "mode must be one of"),
      ({"batch_size": 0}, ValueError, "batch_size / frames_per_batch must be a positive int, got 0"),
-     ({"batch_size": 4, "frames_per_batch": 5}, ValueError, "disagree"),
+     ({"batch_size": 4, "frames_per_batch": 5}, ValueError, "frames_per_batch=5 is not a multiple of num_workers=2"),
+     ({"mode": "trajectories", "frames_per_batch": 4}, ValueError, "counts TorchRL frames .* pass batch_size=N"),
      ({"total_steps": 0}, ValueError, "total_steps must be a positive int or -1"),
-     ({"mode": "trajectories", "batch_size": 1}, ValueError, "cannot be split over 2 workers"),
+     ({"mode": "trajectories", "batch_size": 1}, ValueError, "batch_size=1 trajectories is not a multiple of the env's group_size=2"),
+     ({"mode": "trajectories", "batch_size": 2}, ValueError, "holds 1 group.* of 2, fewer than the 2 workers"),
      ({"ray_config": {"address": None}}, TypeError, "ray_config must be a RayConfig"),
      ({"sink": 3}, TypeError, "sink must be a ReplayBuffer")],
 )  # fmt: skip
@@ -254,3 +256,17 @@ def test_bad_arguments_fail_before_ray_starts(kwargs, error, match):
     with pytest.raises(error, match=match):
         RayTokenCollector(make_env, make_policy, **kwargs)
 
+
+
+def test_trajectory_batches_hold_whole_groups_across_workers():
+    """Issue 20 item 1: each worker's share of a batch is whole groups; 10 batches, variable lengths."""
+    env_fn = functools.partial(make_env, epochs=None, batch_size=3)
+    with RayTokenCollector(env_fn, make_policy, num_workers=2, mode="trajectories", batch_size=6) as collector:
+        batches = [b for b, _ in zip(collector, range(10), strict=False)]
+    counts: dict[int, list[int]] = {}
+    for i, b in enumerate(batches):
+        for g in b[keys.GROUP_ID][:, 0].tolist():
+            counts.setdefault(g, []).append(i)
+    split = [g for g, where in counts.items() if len(where) != GROUP or len(set(where)) != 1]
+    lengths = {int(n) for b in batches for n in b[keys.MASK].sum(1)}
+    assert len(batches) == 10 and len(lengths) > 1 and split == []

@@ -78,3 +78,24 @@ def test_embedded_ray_is_started_and_shut_down_with_nothing_left(monkeypatch):
     collector.shutdown()  # twice is fine
     with pytest.raises(RuntimeError, match="was shut down"):
         collector.next_batch()
+
+
+def test_a_cluster_joined_by_the_driver_is_reused(monkeypatch):
+    """Issue 20 item 8: ray.init(address=...) then RayConfig(address=...) raised "called ray.init twice"."""
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
+    assert not ray.is_initialized(), "another test left Ray running"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        with RayTokenCollector(make_env, make_policy, num_workers=2, batch_size=2, total_steps=2,
+                               ray_config=RayConfig(address=cluster.address)) as collector:  # fmt: skip
+            assert [tuple(b.shape) for b in collector] == [(4, 2)]
+            nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            assert len(nodes) == 2
+        assert ray.is_initialized()  # the driver's connection is the driver's to close
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -29,7 +29,7 @@ def make_collector(tokenizer, model):
 
 
 def test_replay_buffer_round_trip_into_clip_ppo_and_layouts(make_collector, tokenizer, model):
-    collector = make_collector(frames_per_batch=4, is_fixed_width=True)
+    collector = make_collector(batch_size=4)  # max_new_tokens wide by default
     buffer = ReplayBuffer(storage=LazyTensorStorage(64), batch_size=6)
     advantage = GroupAdvantage("grpo")
     widths = []
@@ -54,7 +54,7 @@ def test_replay_buffer_round_trip_into_clip_ppo_and_layouts(make_collector, toke
 
 
 def test_grpo_loss_runs_on_a_collected_batch_with_default_keys(make_collector, tokenizer, model):
-    batch = next(iter(make_collector(frames_per_batch=4)))
+    batch = next(iter(make_collector(batch_size=4)))
     mask = batch[keys.MASK]  # random advantages: an untrained model's rewards may all be equal
     batch.set(keys.ADVANTAGE, torch.where(mask, torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)), 0.0)[..., None])
     out = GRPOLoss(PaddedSequenceActor(model), entropy_bonus=False)(to_padded(batch, pad_id=tokenizer.pad_token_id))
@@ -66,7 +66,7 @@ def test_grpo_loss_runs_on_a_collected_batch_with_default_keys(make_collector, t
 
 def test_csv_logger_gets_every_batch_metrics(make_collector, tmp_path):
     logger = CSVLogger("run", log_dir=str(tmp_path))
-    collector = make_collector(frames_per_batch=4, total_frames=40, logger=logger)
+    collector = make_collector(batch_size=4, total_frames=160, logger=logger)
     n = sum(1 for _ in collector)
     path = tmp_path / "run" / "scalars"
     expected = {"mean_reward", "reward_std", "zero_std_group_fraction", "mean_response_len", "max_response_len",
@@ -79,15 +79,15 @@ def test_csv_logger_gets_every_batch_metrics(make_collector, tmp_path):
 
 
 def test_torchrl_names_are_accepted(make_collector):
-    collector = make_collector(frames_per_batch=4, total_frames=16)
+    collector = make_collector(batch_size=4, total_frames=64)  # TorchRL frames: env steps of one slot (4 slots)
     assert collector.batch_size == 4 and collector.total_steps == 16
-    with pytest.raises(ValueError, match="batch_size=3 and frames_per_batch=4 disagree"):
-        make_collector(batch_size=3, frames_per_batch=4)
+    with pytest.raises(ValueError, match="frames_per_batch=4 counts TorchRL frames .* pass batch_size=N"):
+        make_collector(frames_per_batch=4)  # a TRAJECTORIES batch counts trajectories
     assert collector.set_seed(3) == 3
     with collector:
         next(iter(collector))
     with pytest.raises(TypeError, match=r"unexpected arguments \['frames'\]"):
-        make_collector(frames_per_batch=4, frames=3)
+        make_collector(batch_size=4, frames=3)
 
 
 def test_chat_template_kwargs_reach_the_template():

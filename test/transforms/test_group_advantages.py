@@ -38,7 +38,7 @@ def test_estimators_hand_computed(estimator, expected):
 
 def test_broadcast_to_tokens_and_singletons():
     batch = make_trajectory_batch([2, 3, 1], [1.0, 0.0, 7.0], group_size=2, steps=4)
-    out = GroupAdvantage("dr_grpo")(batch)
+    out = GroupAdvantage("dr_grpo", use_partial_groups=True)(batch)
     adv = out[keys.ADVANTAGE].squeeze(-1)
     assert adv[0, :2].tolist() == [0.5, 0.5] and adv[1, :3].tolist() == [-0.5] * 3
     assert adv[2].tolist() == [0.0] * 4  # a lone sample has no baseline -> 0
@@ -67,7 +67,7 @@ def test_bad_input():
         group_advantages(R, G, "gae")
     with pytest.raises(ValueError, match="group_size must be an int >= 1"):
         GroupAdvantage(group_size=0)
-    with pytest.raises(ValueError, match=r"expected groups of 2 samples, found sizes \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"group 1 has 1 samples, expected 2 \(sizes found \[1, 2\]\)"):
         GroupAdvantage(group_size=2)(make_trajectory_batch([2, 3, 1], group_size=2))
     with pytest.raises(ValueError, match="scores and group_ids must be 1-D"):
         group_stats(R, G[:2])
@@ -98,7 +98,7 @@ def test_equal_rewards_give_exactly_zero_advantage(estimator, eps):
 
 def test_equal_reward_group_beside_others_is_zero_in_transform():
     batch = make_trajectory_batch([2, 3, 1, 2, 4], [100.1] * 3 + [0.0, 1.0], group_size=3)
-    adv = GroupAdvantage("grpo")(batch)[keys.ADVANTAGE].squeeze(-1)
+    adv = GroupAdvantage("grpo", use_partial_groups=True)(batch)[keys.ADVANTAGE].squeeze(-1)
     assert adv[:3].eq(0).all() and adv[3, 0] < 0 < adv[4, 0]
 
 
@@ -108,3 +108,22 @@ def test_masked_first_step_keeps_trajectories_apart():
     steps[keys.MASK][0, 2] = False
     adv = GroupAdvantage("dr_grpo")(steps)[keys.ADVANTAGE].squeeze(-1)
     assert adv[0].tolist() == [0.5, 0.5, 0.0, -0.5, -0.5]
+
+
+# -- issue 20: a fragment of a group raises unless told otherwise --
+
+
+def test_fragment_raises_by_default_and_partial_groups_is_explicit():
+    fragment = make_trajectory_batch([2, 3, 1], [1.0, 0.0, 7.0], group_size=2, steps=4)  # group 1: one of 2 samples
+    with pytest.raises(ValueError, match="group 1 has 1 samples, expected 2.*use_partial_groups=True"):
+        GroupAdvantage("grpo")(fragment.clone())
+    out = GroupAdvantage("grpo", use_partial_groups=True)(fragment)
+    assert out[keys.ADVANTAGE].squeeze(-1)[2].eq(0).all()  # the lone sample: no baseline
+    # equal-sized fragments: sample ids show the split (samples 2, 3 of groups of 4 without 0, 1)
+    split = make_trajectory_batch([2, 3, 1, 2], group_size=2)
+    split.set(keys.SAMPLE_ID, split[keys.SAMPLE_ID] + 2)
+    with pytest.raises(ValueError, match="holds sample id 3 but only 2 samples are in the batch"):
+        GroupAdvantage("grpo")(split)
+    whole = make_trajectory_batch([2, 3, 1, 2], [1.0, 0.0, 0.0, 1.0], group_size=2)
+    adv = GroupAdvantage("dr_grpo")(whole)[keys.ADVANTAGE].squeeze(-1)
+    assert adv[:, 0].tolist() == [0.5, -0.5, -0.5, 0.5]
