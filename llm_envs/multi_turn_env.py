@@ -32,18 +32,41 @@ class Turn:
 
 TurnFn = Callable[[list[str], list[str], list[dict], list[int]], Sequence[Turn]]
 
+_MARK = "tokengym-assistant-turn"
+_PROBE = ({"role": "user", "content": "tokengym-user-turn"}, {"role": "assistant", "content": _MARK})
+
+
+def _special_ids(tokenizer) -> set[int]:
+    """Ids of the tokenizer's special tokens, added role markers included."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(tokenizer.all_special_ids) | {int(i) for i, t in added.items() if getattr(t, "special", False)}
+
+
+def _chat_frame(tokenizer) -> tuple[str, str] | None:
+    """``(text of a probe conversation ending with an assistant turn, the text the template closes that turn
+    with)``, or ``None`` without a template (or one that does not show an assistant turn's content as is)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = tokenizer.apply_chat_template(list(_PROBE), tokenize=False)
+    at = text.rfind(_MARK)
+    return None if at < 0 else (text, text[at + len(_MARK) :])
+
 
 class MultiTurnTokenEnv(TokenEnv):
     """A :class:`TokenEnv` where a turn ends on EOS / end-of-turn / stop string and the env may answer.
 
     When a slot's turn ends, ``turn_fn(responses, prompts, metadata, turns)`` scores it (the text of
     this turn only) and returns a :class:`Turn` per slot. Unless the episode is over (no feedback,
-    ``max_turns`` reached, or the feedback no longer fits), the feedback is rendered with the
-    tokenizer's chat template and written after the model's tokens in the same slot: no step is
-    emitted for those tokens, ``turn`` increases, ``prompt_len`` moves to the start of the new turn
-    and ``seq_len`` jumps, so a KV-cached policy prefills just the appended tokens. Token ids the model
-    produced are kept as they were. Budget and context limits truncate the episode (its last turn
-    is still scored).
+    ``max_turns`` reached, or the feedback no longer fits), the env writes after the model's tokens,
+    in the same slot, what the tokenizer's chat template writes there for the same conversation
+    (:meth:`feedback_ids`): the rest of the assistant turn's close (``<|im_end|>\n`` for Qwen, of
+    which the model wrote ``<|im_end|>``), the feedback message and the generation prompt. So a
+    conversation's tokens equal ``tokenizer.apply_chat_template(conversation)``'s when each turn
+    ends with the template's end-of-turn token (added to the turn-ending ids unless
+    ``eos_token_ids`` is given) or a stop string. No step is emitted for the env's tokens, ``turn``
+    increases, ``prompt_len`` moves to the start of the new turn and ``seq_len`` jumps, so a
+    KV-cached policy prefills just the appended tokens. Token ids the model produced are kept as
+    they were. Budget and context limits truncate the episode (its last turn is still scored).
 
     Args:
         prompts: as for :class:`TokenEnv`.
@@ -71,6 +94,13 @@ class MultiTurnTokenEnv(TokenEnv):
         if kwargs.get("reward_fn") is not None:
             raise ValueError("MultiTurnTokenEnv rewards through turn_fn; pass reward_fn=None")
         super().__init__(prompts, tokenizer, **kwargs)
+        self._frame = _chat_frame(tokenizer)
+        self.turn_close_ids = torch.tensor(tokenizer(self._frame[1], add_special_tokens=False)["input_ids"] if self._frame
+                                           else [], dtype=torch.int64)  # fmt: skip
+        end_of_turn = self.turn_close_ids[:1].tolist()
+        if kwargs.get("eos_token_ids") is None and end_of_turn and end_of_turn[0] in _special_ids(tokenizer):
+            self.eos_token_ids = self.eos_token_ids | set(end_of_turn)  # the template's end of turn ends a turn
+            self._eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)
         self.turn_fn, self.max_turns = turn_fn, max_turns
         self.turn_metrics = {"turns": 0, "feedback_tokens": 0}
         # full token sequences (prompt, turns, feedback) of finished multi-turn episodes, by trajectory
@@ -79,14 +109,41 @@ class MultiTurnTokenEnv(TokenEnv):
         self.max_finished_sequences = 4096
 
     def render(self, feedback: str, role: str) -> torch.Tensor:
-        """Token ids of a feedback message plus the generation prompt (chat template when there is one)."""
+        """Token ids of a feedback message plus the generation prompt, as the chat template writes them
+        after an assistant turn (no default system prompt repeated); ``"\n{feedback}\n"`` without a template."""
         tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
+        if self._frame is not None:
+            before = self._frame[0]
+            text = tok.apply_chat_template([*_PROBE, {"role": role, "content": feedback}], tokenize=False,
+                                           add_generation_prompt=True)  # fmt: skip
+            if not text.startswith(before):
+                raise ValueError(f"the chat template rewrites earlier turns when a {role!r} message follows, so the "
+                                 "feedback tokens cannot be appended; use a template that renders turns in order")  # fmt: skip
+            text = text[len(before) :]
+        elif getattr(tok, "chat_template", None):
             text = tok.apply_chat_template([{"role": role, "content": feedback}], tokenize=False,
                                            add_generation_prompt=True)  # fmt: skip
         else:
             text = f"\n{feedback}\n"
         return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
+
+    def feedback_ids(self, turn_ids: torch.Tensor, feedback: str, role: str) -> torch.Tensor:
+        """What the env writes after a finished turn ``turn_ids``: the rest of the template's turn close
+        (:attr:`turn_close_ids` less what the turn already ends with), then :meth:`render`'s tokens.
+
+        Example:
+            >>> from tokengym.testing import tiny_tokenizer
+            >>> tok = tiny_tokenizer()
+            >>> env = MultiTurnTokenEnv(["1+1="], tok, lambda *a: [], batch_size=1, max_length=64)
+            >>> end = tok.convert_tokens_to_ids("<|end|>")
+            >>> tok.decode(env.feedback_ids(torch.tensor([40, end]), "again", "user"))
+            '<|user|>again<|end|><|assistant|>'
+            >>> tok.decode(env.feedback_ids(torch.tensor([40]), "again", "user"))  # ended by a stop string
+            '<|end|><|user|>again<|end|><|assistant|>'
+        """
+        close, ended = self.turn_close_ids.tolist(), turn_ids.tolist()
+        k = next((k for k in range(min(len(close), len(ended)), 0, -1) if ended[-k:] == close[:k]), 0)
+        return torch.cat([self.turn_close_ids[k:], self.render(feedback, role)])
 
     def pop_finished_sequences(self) -> dict[int, torch.Tensor]:
         """Full token ids (prompt, turns, feedback) of the episodes finished since the last call, by trajectory id."""
@@ -115,6 +172,7 @@ class MultiTurnTokenEnv(TokenEnv):
         )
         prompts = [self._prompts[b] for b in slots]
         turns = [int(s[keys.TURN][b]) for b in slots]
+        starts = {b: int(p_len[b]) for b in slots}
         try:
             outcomes = list(self.turn_fn(responses, [p.text for p in prompts], [p.metadata for p in prompts], turns))
         except Exception as err:
@@ -134,7 +192,7 @@ class MultiTurnTokenEnv(TokenEnv):
             reward[b, 0] = value
             if outcome.feedback is None or bool(limited[b]) or turn_index + 1 >= self.max_turns:
                 continue
-            ids = self.render(outcome.feedback, outcome.role)
+            ids = self.feedback_ids(self._tokens[b, starts[b] : int(new_len[b])], outcome.feedback, outcome.role)
             if int(new_len[b]) + len(ids) + 1 > self.max_length:
                 continue  # the feedback does not fit: the episode ends here
             appended[b] = ids

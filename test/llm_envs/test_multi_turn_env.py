@@ -5,7 +5,7 @@ from tokengym.collectors import TokenCollector
 from tokengym.llm_envs import RewardFunctionError, check_env, keys
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
 from tokengym.llm_envs.tasks import WRONG_FEEDBACK, MultiTurnMathFeedback, make_multi_turn_math_env
-from tokengym.transforms import ScaleReward, TurnDiscount, to_padded
+from tokengym.transforms import ScaleReward, TurnDiscount, decode, to_padded
 from tokengym.transforms.sequences import sequence_layout
 
 PROMPTS = [{"prompt": "12+7=", "answer": "19"}, {"prompt": "3+4=", "answer": "7"}]
@@ -59,7 +59,8 @@ def test_scripted_rewards_turns_and_steps(scripted, tokenizer):
     assert batch[keys.DONE].squeeze(-1)[0, : n0 + n1].tolist() == [False] * (n0 + n1 - 1) + [True]
     # feedback: the user message + generation prompt, in the full sequence, with no step of its own
     full = batch.get_non_tensor(keys.PROMPTS).sequence(int(batch[keys.TRAJ_ID][0, 0]))
-    feedback = env.render(WRONG_FEEDBACK, "user")
+    first_turn = torch.tensor(_ids(tokenizer, "12") + [tokenizer.eos_token_id])
+    feedback = env.feedback_ids(first_turn, WRONG_FEEDBACK, "user")  # the template's turn close, then the message
     prompt_len = int(batch[keys.SEQ_LEN][0, 0])
     table, actions = batch.get_non_tensor(keys.PROMPTS), batch[keys.ACTION][0]
     expect = [*table.ids(int(batch[keys.GROUP_ID][0, 0])).tolist(), *actions[:n0].tolist(), *feedback.tolist(),
@@ -90,7 +91,8 @@ def test_padded_action_mask_marks_generated_tokens_only(scripted, tokenizer):
     mask = batch[keys.MASK]
     assert action_mask.sum(-1).tolist() == mask.sum(-1).tolist()
     assert tokens[action_mask].tolist() == batch[keys.ACTION][mask].tolist()
-    feedback = env.render(WRONG_FEEDBACK, "user")
+    first_turn = torch.tensor(_ids(tokenizer, "12") + [tokenizer.eos_token_id])
+    feedback = env.feedback_ids(first_turn, WRONG_FEEDBACK, "user")  # the template's turn close, then the message
     n0 = len(_ids(tokenizer, "12")) + 1
     gap = slice(width + n0, width + n0 + len(feedback))
     assert tokens[0, gap].tolist() == feedback.tolist() and not action_mask[0, gap].any()
@@ -146,3 +148,118 @@ def test_failing_turn_fn_leaves_env_unchanged(tokenizer, turn_fn, match):
     assert torch.equal(before["tokens"], after["tokens"])
     assert all(torch.equal(before["state"][k], after["state"][k]) for k in before["state"])
     assert not env.pop_finished_sequences()
+
+
+# -- multi-turn token sequences == tokenizer.apply_chat_template of the same conversation --
+
+# a Qwen2.5-like template (its structure: default system prompt, <|im_start|>role\n...<|im_end|>\n turns,
+# tool results as a user turn wrapped in <tool_response>), written here so the test runs offline
+QWEN_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) or message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _chat_tokenizer(kind):
+    from tokengym.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer()  # a fresh object: the session tokenizer stays untouched
+    if kind == "qwen":
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tok.chat_template = QWEN_TEMPLATE
+    return tok
+
+
+def _template_ids(tok, conversation):
+    return _ids(tok, tok.apply_chat_template(conversation, tokenize=False))
+
+
+def _play(tok, conversation, turn_fn):
+    """Run the conversation's assistant turns through a MultiTurnTokenEnv; tool calls end on the stop
+    string, other turns on the template's end-of-turn token. Returns the env's full token sequence."""
+    from tokengym.llm_envs.tools import TOOL_STOP
+
+    prompt = [m for m in conversation if m["role"] in ("system", "user")][: 2 if conversation[0]["role"] == "system" else 1]
+    assistant = [m["content"] for m in conversation if m["role"] == "assistant"]
+    end = int(MultiTurnTokenEnv([prompt], tok, turn_fn, batch_size=1, max_length=64).turn_close_ids[0])
+    scripts = [_ids(tok, a) if a.endswith(TOOL_STOP) else _ids(tok, a) + [end] for a in assistant]
+    env = MultiTurnTokenEnv([prompt], tok, turn_fn, max_turns=len(assistant), batch_size=1, max_new_tokens=96,
+                            max_length=512, stop_strings=[TOOL_STOP])  # fmt: skip
+    policy = ScriptedPolicy({0: scripts}, end)
+    batch = next(iter(TokenCollector(env, policy, mode="trajectories", batch_size=1, total_steps=200)))
+    sequence = batch.get_non_tensor(keys.PROMPTS).sequence(int(batch[keys.TRAJ_ID][0, 0])).tolist()
+    # the episode ends on the model's end-of-turn token; the template closes the last turn with the rest
+    # of its turn close (Qwen: the "\n" after <|im_end|>), which nobody generates
+    return batch, sequence + env.turn_close_ids[1:].tolist()
+
+
+def _tool_turns(tok):
+    from tokengym.llm_envs.tools import ToolRegistry, ToolTurns
+
+    return ToolTurns(ToolRegistry.default(), lambda r, p, m, t: [Turn(1.0) for _ in r], tokenizer=tok)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "qwen"])
+def test_tool_turn_sequence_equals_the_chat_template(kind):
+    tok = _chat_tokenizer(kind)
+    conversation = [
+        {"role": "user", "content": "What is 12+7?"},
+        {"role": "assistant", "content": "<tool>calculator: 12+7</tool>"},
+        {"role": "tool", "content": "19"},
+        {"role": "assistant", "content": "19"},
+    ]
+    batch, sequence = _play(tok, conversation, _tool_turns(tok))
+    assert sequence == _template_ids(tok, conversation)
+    turns = decode(batch, tok, by_turn=True)[0]
+    assert [s["role"] for s in turns] == ["assistant", "feedback", "assistant"]
+    assert turns[0]["content"] == "<tool>calculator: 12+7</tool>" and turns[2]["content"] == "19"
+    assert "19" in turns[1]["content"] and (kind == "qwen" or turns[1]["content"] == "19")
+    assert decode(batch, tok) == ["<tool>calculator: 12+7</tool>19"]  # the joined text: generated tokens only
+
+
+@pytest.mark.parametrize("kind", ["tiny", "qwen"])
+def test_user_feedback_sequence_equals_the_chat_template(kind):
+    tok = _chat_tokenizer(kind)
+    conversation = [
+        {"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": "12+7="},
+        {"role": "assistant", "content": "20"},
+        {"role": "user", "content": "Wrong, try again."},
+        {"role": "assistant", "content": "19"},
+    ]
+
+    def retry(responses, prompts, metadata, turns):
+        return [Turn(0.0, "Wrong, try again.") if t == 0 else Turn(1.0) for t in turns]
+
+    batch, sequence = _play(tok, conversation, retry)
+    assert sequence == _template_ids(tok, conversation)
+    assert batch[keys.REWARD][batch[keys.DONE]].tolist() == [1.0]
+
+
+def test_shipped_multi_turn_math_task_matches_the_chat_template(tokenizer):
+    env = make_multi_turn_math_env(tokenizer=tokenizer, batch_size=1, n_prompts=2, tools=True, max_turns=2)
+    question = env.source.prompts[0]["prompt"]
+    answer = env.source.prompts[0]["answer"]
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert end in env.eos_token_ids  # the template's end of turn ends a turn
+    scripts = [_ids(tokenizer, "<tool>calculator: 1+1</tool>"), _ids(tokenizer, answer) + [end]]
+    batch = next(iter(TokenCollector(env, ScriptedPolicy({0: scripts}, end), mode="trajectories", batch_size=1,
+                                     total_steps=200)))  # fmt: skip
+    sequence = batch.get_non_tensor(keys.PROMPTS).sequence(int(batch[keys.TRAJ_ID][0, 0])).tolist()
+    assert env.turn_close_ids.tolist() == [end]
+    conversation = [*question, {"role": "assistant", "content": "<tool>calculator: 1+1</tool>"},
+                    {"role": "tool", "content": "2"}, {"role": "assistant", "content": answer}]  # fmt: skip
+    assert sequence == _template_ids(tokenizer, conversation)
