@@ -112,10 +112,11 @@ class GymTokenEnv(gymnasium.Env):
         """Append token ``action``; the reward arrives with the last token of the response."""
         if self._td is None:
             raise ResetNeeded("GymTokenEnv.step() before reset() or after the episode ended; call reset() first")
-        if not self.action_space.contains(action):
-            raise ValueError(f"action must be a token id in [0, {self.action_space.n}), got {action!r}")
+        action = _token_id(action)
+        if not 0 <= action < self.action_space.n:
+            raise ValueError(f"action must be a token id in [0, {self.action_space.n}), got {action}")
         prompt = self.env.slot_prompt(0)
-        out = self.env.step(self._td.set(keys.ACTION, torch.tensor([int(action)])))
+        out = self.env.step(self._td.set(keys.ACTION, torch.tensor([action])))
         terminated, truncated = bool(out.get(keys.TERMINATED)[0]), bool(out.get(keys.TRUNCATED)[0])
         info = {}
         if terminated or truncated:
@@ -132,6 +133,20 @@ class GymTokenEnv(gymnasium.Env):
         if prompt is None:
             return ""
         return prompt.text + self.tokenizer.decode(self.env.response_ids(0), skip_special_tokens=True)
+
+
+def _token_id(action) -> int:
+    """One token id from an int, a numpy integer or a one-element integer array / tensor."""
+    if isinstance(action, torch.Tensor | np.ndarray):
+        dtype = str(action.dtype)
+        if (action.size if isinstance(action, np.ndarray) else action.numel()) != 1:
+            raise ValueError(f"action must be one token id, got a {type(action).__name__} of shape {tuple(action.shape)}")
+        if "int" not in dtype:
+            raise TypeError(f"action must be an integer token id, got a {type(action).__name__} of dtype {dtype}")
+        return int(action.reshape(-1)[0].item())
+    if isinstance(action, bool | np.bool_) or not isinstance(action, int | np.integer):
+        raise TypeError(f"action must be an integer token id, got {type(action).__name__} {action!r:.40}")
+    return int(action)
 
 
 def _make_task(task_id: str, *, render_mode: str | None = None, **env_kwargs) -> GymTokenEnv:

@@ -108,6 +108,13 @@ class MultiTurnTokenEnv(TokenEnv):
         self._finished: dict[int, torch.Tensor] = {}
         self.max_finished_sequences = 4096
 
+    def config(self) -> dict:
+        """The env's configuration as ``repr`` shows it (see :meth:`TokenEnv.config`), with the turn settings."""
+        out = super().config()
+        del out["reward_fn"]
+        turn_fn = self.turn_fn
+        return {**out, "turn_fn": getattr(turn_fn, "__name__", type(turn_fn).__name__), "max_turns": self.max_turns}
+
     def render(self, feedback: str, role: str) -> torch.Tensor:
         """Token ids of a feedback message plus the generation prompt, as the chat template writes them
         after an assistant turn (no default system prompt repeated); ``"\n{feedback}\n"`` without a template."""

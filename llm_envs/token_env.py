@@ -137,6 +137,24 @@ class TokenEnv(EnvBase):
         if seed is not None:
             self.source.seed = seed
 
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" if k == "overlong_prompts" else f"{k}={v}" for k, v in self.config().items())
+        return f"{type(self).__name__}({fields})"
+
+    def config(self) -> dict:
+        """The env's configuration as ``repr`` shows it (sizes, limits, prompt source, reward, end ids)."""
+        source = self.source
+        n = len(source.prompts) if getattr(source, "is_sized", False) else "?"
+        reward = self.reward_fn
+        return {
+            "batch_size": self.batch_size[0], "group_size": getattr(source, "group_size", 1),
+            "max_new_tokens": self.max_new_tokens, "max_length": self.max_length,
+            "prompts": f"{type(source).__name__}({n} items)", "vocab_size": self.vocab_size,
+            "eos_token_ids": sorted(self.eos_token_ids), "stop_strings": list(self.stop_strings),
+            "overlong_prompts": getattr(getattr(source, "overlong", None), "value", None),
+            "reward_fn": None if reward is None else getattr(reward, "__name__", type(reward).__name__),
+        }  # fmt: skip
+
     # -- public read-only views --
     @property
     def tokens(self) -> torch.Tensor:

@@ -39,7 +39,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tensordict import TensorDictBase
 
-__all__ = ["FunctionPolicy", "weights_of", "TokenPolicy", "as_token_policy", "check_policy", "is_token_policy", "supports_steps", "supports_waves"]
+from tokengym.llm_envs import TokenEnv
+
+__all__ = ["FunctionPolicy", "weights_of", "TokenPolicy", "as_token_policy", "check_policy", "check_policy_env",
+           "is_token_policy", "supports_steps", "supports_waves"]
 
 Weights = Mapping[str, Any] | TensorDictBase
 
@@ -99,6 +102,46 @@ def check_policy(policy) -> None:
             "see tokengym.collectors.policies.protocol.TokenPolicy"
         )
 
+
+
+def _bound_envs(policy, depth: int = 0):
+    """``(owner, env)`` of every TokenEnv ``policy`` is bound to: its ``env``, and those of the parts a
+    composed policy exposes as ``policy`` / ``reference`` (e.g. ``PolicyWithReference``)."""
+    env = getattr(policy, "env", None)
+    base = getattr(env, "base_env", env)
+    if isinstance(base, TokenEnv):
+        yield type(policy).__name__, base
+    if depth < 3:
+        for part in ("policy", "reference"):
+            inner = getattr(policy, part, None)
+            if inner is not None and inner is not policy:
+                yield from _bound_envs(inner, depth + 1)
+
+
+def check_policy_env(policy, env) -> None:
+    """Raise a ``ValueError`` when ``policy`` (or a part of it) was built on another env than ``env``.
+
+    A policy reads its env's token buffer (KV-cache prefills, wave requests), so one built on another
+    env would continue other sequences; with another batch size it fails deep inside torch.
+
+    Example:
+        >>> from tokengym.llm_envs import TokenEnv
+        >>> from tokengym.collectors import TransformersPolicy
+        >>> from tokengym.testing import tiny_model, tiny_tokenizer
+        >>> tok = tiny_tokenizer(); model = tiny_model(tok)
+        >>> env4, env8 = (TokenEnv(["1+1="], tok, batch_size=b, model_config=model.config) for b in (4, 8))
+        >>> check_policy_env(TransformersPolicy(model, env4), env8)
+        Traceback (most recent call last):
+        ...
+        ValueError: TransformersPolicy was built on another env (batch_size 4) than the collector's (batch_size 8); build it on the env you collect from, e.g. TransformersPolicy(model, env)
+    """
+    base = getattr(env, "base_env", env)
+    for owner, bound in _bound_envs(policy):
+        if bound is not base:
+            raise ValueError(
+                f"{owner} was built on another env (batch_size {bound.batch_size[0]}) than the collector's "
+                f"(batch_size {base.batch_size[0]}); build it on the env you collect from, e.g. {owner}(model, env)"
+            )
 
 
 class FunctionPolicy:

@@ -123,6 +123,7 @@ def test_workers_are_ordinary_collectors_on_shards_and_take_weights():
             if i == 1:
                 assert collector.update_policy_weights_(weights=new_weights) == 1
         assert collector.metrics["workers"] == 2 and collector.metrics["restarts"] == 0
+        assert repr(collector).startswith("RayTokenCollector(num_workers=2, mode='trajectories', batch_size=8, seed=3")
     local = []
     for i, seed in enumerate(worker_seeds(3, 2)):
         env = make_env()
