@@ -119,10 +119,11 @@ def _bound_envs(policy, depth: int = 0):
 
 
 def check_policy_env(policy, env) -> None:
-    """Raise a ``ValueError`` when ``policy`` (or a part of it) was built on another env than ``env``.
+    """Raise a ``ValueError`` when a stepping ``policy`` (or a part of it) was built on another env than ``env``.
 
-    A policy reads its env's token buffer (KV-cache prefills, wave requests), so one built on another
-    env would continue other sequences; with another batch size it fails deep inside torch.
+    A policy that steps reads its env's token buffer (KV-cache prefills), so one built on another env
+    would continue other sequences; with another batch size it fails deep inside torch. (A wave
+    reaches the policy as a request, so a wave source may share one policy between envs.)
 
     Example:
         >>> from tokengym.llm_envs import TokenEnv

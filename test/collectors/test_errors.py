@@ -30,6 +30,7 @@ def test_a_policy_built_on_another_env_fails_at_collector_construction(tokenizer
     other4 = _env(tokenizer, model, 4)  # same batch size, another env: it would continue other sequences
     with pytest.raises(ValueError, match="TransformersPolicy was built on another env"):
         TokenCollector(other4, TransformersPolicy(model, env4), mode="steps", batch_size=2)
+    TokenCollector(other4, TransformersPolicy(model, env4), mode="steps", batch_size=2, source="wave")  # waves: shareable
     composed = PolicyWithReference(TransformersPolicy(model, env4), StepwiseReference(model, env8))
     with pytest.raises(ValueError, match=r"StepwiseReference was built on another env \(batch_size 8\)"):
         TokenCollector(env4, composed, mode="steps", batch_size=2)
