@@ -38,6 +38,8 @@ class Server:
     version: int = 0
     """Weights version it holds (as far as this client knows)."""
     outstanding: int = 0
+    answered: int = 0
+    """Generation requests it answered."""
     last_failure: str | None = None
     down_since: float = 0.0
     attempts: set = dataclasses.field(default_factory=set)
@@ -204,6 +206,7 @@ class ServerFleet:
                 continue
             _raise_for_status(server, response, row=i)
             results[i] = response.json()
+            server.answered += 1
             return
 
 

@@ -21,17 +21,19 @@ __all__ = ["LOGPROBS_MODES", "SEED_STRIDE", "check_budgets", "check_greedy", "ch
            "is_unmodified", "request_seeds", "sampling_fields", "wave_result"]  # fmt: skip
 
 SEED_STRIDE = 1 << 32  # request seeds: policy seed * stride + request counter (distinct per request)
+_SEED_RANGE = 1 << 63  # seeds stay within int64: a vLLM server refuses larger ones
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 
 
 def request_seeds(seed: int, first: int, n: int, *, greedy: bool) -> list[int | None]:
-    """The seeds of requests ``first .. first + n - 1`` of a policy seeded with ``seed`` (``None`` when greedy).
+    """The seeds of requests ``first .. first + n - 1`` of a policy seeded with ``seed`` (``None`` when greedy),
+    within int64.
 
     Example:
         >>> request_seeds(1, 5, 2, greedy=False) == [SEED_STRIDE + 5, SEED_STRIDE + 6]
         True
     """
-    return [None if greedy else seed * SEED_STRIDE + first + i for i in range(n)]
+    return [None if greedy else (seed * SEED_STRIDE + first + i) % _SEED_RANGE for i in range(n)]
 
 
 def sampling_fields(s: SamplingConfig) -> dict:
