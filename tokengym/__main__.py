@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a tiny offline model with tokengym + TorchRL's ClipPPOLoss",
                           description=(_demo.__doc__ or "").split("\n\n")[0].strip())  # fmt: skip
     add_dataclass_flags(demo, _demo.DemoConfig)
+    from tokengym import _recipe_reasoning_gym as recipe
+
+    rg = sub.add_parser("recipe-reasoning-gym", help="GRPO of the tiny model on a reasoning-gym task, with held-out problems",
+                        description=(recipe.__doc__ or "").split("\n\n")[0].strip())  # fmt: skip
+    add_dataclass_flags(rg, recipe.RecipeConfig)
     return parser
 
 
@@ -64,7 +69,17 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the command and run it."""
     parser = build_parser()
     args = vars(parser.parse_args(argv))
-    if args.pop("command") == "demo":
+    command = args.pop("command")
+    if command == "recipe-reasoning-gym":
+        from tokengym._recipe_reasoning_gym import RecipeConfig
+        from tokengym._recipe_reasoning_gym import main as run_recipe
+
+        try:
+            config = RecipeConfig(**args)
+        except ValueError as err:
+            parser.error(f"recipe-reasoning-gym: {err}")
+        run_recipe(config)
+    elif command == "demo":
         from tokengym._demo import DemoConfig
         from tokengym._demo import main as run_demo
 

@@ -3,9 +3,9 @@ a server killed mid-episode, a server that answers with malformed messages, one 
 
 import pytest
 import torch
+from adapter_helpers import SOURCES, Server, collect, turn_texts
 from openenv_server import score
 
-from conftest import SOURCES, Server, collect, turn_texts
 from tokengym.collectors import TokenCollector, TransformersPolicy
 from tokengym.llm_envs import PromptError, keys
 from tokengym.llm_envs.adapters import EpisodeError, make_openenv_env
@@ -65,7 +65,7 @@ def test_concurrent_sessions_one_per_slot(openenv_server, tok, lm):
     assert env.backend.live == []
 
 
-def test_killed_server_ends_only_its_episodes_and_the_collector_resumes(tok, lm):
+def test_killed_server_ends_only_its_episodes_and_the_collector_resumes(openenv_server, tok, lm):
     first = Server("openenv")
     try:
         env = _env(first.url, tok, lm)
@@ -82,26 +82,23 @@ def test_killed_server_ends_only_its_episodes_and_the_collector_resumes(tok, lm)
         state = collector.state_dict()
     finally:
         first.stop()
-    second = Server("openenv")
-    try:
-        env = _env(second.url, tok, lm)
-        resumed = TokenCollector(env, TransformersPolicy(lm, env), mode="trajectories", batch_size=4)
-        resumed.load_state_dict(state)
-        got, errors = [], []
-        while len(got) < 2 and len(errors) < 20:
-            try:
-                for batch in resumed:
-                    got.append(batch)
-                    if len(got) == 2:
-                        break
-            except PromptError as err:  # restored slots' sessions died with the first server
-                errors.append(str(err))
-        assert len(got) == 2 and all("no live session" in e or "episode" in e for e in errors)
-        groups = torch.cat([b[keys.GROUP_ID][:, 0] for b in got])
-        assert len(groups.unique()) == len(groups)  # no episode twice
-        assert int(groups.max()) >= state["env"]["source"]["next_episode"]  # new episodes on the new server
-    finally:
-        second.stop()
+    env = _env(openenv_server.url, tok, lm)  # resume against another server
+    resumed = TokenCollector(env, TransformersPolicy(lm, env), mode="trajectories", batch_size=4)
+    resumed.load_state_dict(state)
+    got, errors = [], []
+    while len(got) < 2 and len(errors) < 20:
+        try:
+            for batch in resumed:
+                got.append(batch)
+                if len(got) == 2:
+                    break
+        except PromptError as err:  # restored slots' sessions died with the first server
+            errors.append(str(err))
+    assert len(got) == 2 and all("no live session" in e or "episode" in e for e in errors)
+    groups = torch.cat([b[keys.GROUP_ID][:, 0] for b in got])
+    assert len(groups.unique()) == len(groups)  # no episode twice
+    assert int(groups.max()) >= state["env"]["source"]["next_episode"]  # new episodes on the new server
+    env.close()
 
 
 @pytest.mark.parametrize("mode, expected", [("malformed", r"malformed message \(not JSON\)"), ("silent", "TimeoutError")])

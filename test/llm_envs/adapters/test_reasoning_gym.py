@@ -8,9 +8,9 @@ import gymnasium
 import pytest
 import reasoning_gym
 import torch
+from adapter_helpers import SOURCES, collect
 from reasoning_gym.utils import extract_answer
 
-from conftest import SOURCES, collect
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.adapters import ReasoningGymReward, make_reasoning_gym_env
 

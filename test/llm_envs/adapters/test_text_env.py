@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 import torch
+from adapter_helpers import SOURCES, collect, turn_texts
 
-from conftest import SOURCES, collect, turn_texts
 from tokengym.collectors import TokenCollector
 from tokengym.llm_envs import PromptError, keys
 from tokengym.llm_envs.adapters import TextArenaEnv, make_text_env, make_textarena_env, textarena_factory
@@ -121,3 +121,16 @@ def test_factories_pickle_and_bad_input(tok):
         make_text_env("GuessTheNumber-v0", tok)
     with pytest.raises(PromptError, match="which has no reset"):
         make_text_env(object, tok, batch_size=1).reset()
+
+
+def test_sharded_sources_start_disjoint_episodes(tok):
+    """Ray workers shard the episode ids (``env.source.shard(i, n)``): no episode runs twice."""
+    seen = []
+    for index in range(2):
+        env = make_text_env(Counter, tok, batch_size=3, max_length=128)
+        env.source.shard(index, 2)
+        env.reset()
+        seen.append([env.slot_prompt(b).metadata["episode"] for b in range(3)])
+        with pytest.raises(ValueError, match="shard\\(\\) must come before the first draw"):
+            env.source.shard(0, 2)
+    assert seen == [[0, 2, 4], [1, 3, 5]]
