@@ -20,6 +20,7 @@ torch.set_num_threads(1)
 _THROUGHPUT: dict = {}
 _BYTES: dict = {}
 _TRL: dict = defaultdict(dict)
+_CEILING: dict = {}
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +33,12 @@ def throughput_table():
 def bytes_table():
     """buffer length -> bytes stored per step and slot."""
     return _BYTES
+
+
+@pytest.fixture(scope="session")
+def ceiling_table():
+    """case name -> {tokens_per_s, us_per_token, decode_share, ...}, from test_collector_ceiling.py."""
+    return _CEILING
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +109,23 @@ def pytest_terminal_summary(terminalreporter):
         write("bytes stored per step and slot: " + ", ".join(f"max_length {k}: {v:.0f} B" for k, v in sorted(_BYTES.items())))
     if _TRL:
         _trl_table(write)
+    if _CEILING:
+        _ceiling_table(write)
+
+
+def _ceiling_table(write) -> None:
+    _header(write, "Collector ceiling (benchmarks/test_collector_ceiling.py)")
+    write("Instant policies (random tokens of random lengths, no model), reward fn ignoring its input (the response "
+          "text is still decoded); real tokens/s, median of 3 interleaved rounds; floor: the same waves as (N, T) "
+          "action / log-prob / mask / done tensors by a few torch ops, in the same rounds.")  # fmt: skip
+    write("| case | tokens/s | µs/token | µs/env step | decoding share | floor tokens/s | collector ÷ floor |")
+    write("|---|---|---|---|---|---|---|")
+    for name, r in _CEILING.items():
+        step = f"{r['us_per_env_step']:.0f}" if "us_per_env_step" in r else "-"
+        floor = f"{r['floor_tokens_per_s'] / 1e6:.1f}M" if "floor_tokens_per_s" in r else "-"
+        ratio = f"{r['collector_over_floor']:.3f}" if "collector_over_floor" in r else "-"
+        write(f"| {name} | {r['tokens_per_s'] / 1e6:.2f}M | {r['us_per_token']:.3f} | {step} | "
+              f"{r['decode_share']:.0%} | {floor} | {ratio} |")
 
 
 def _interleaved(runs: dict, rounds: int, benchmark) -> dict[str, list[float]]:

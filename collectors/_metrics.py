@@ -19,15 +19,16 @@ def batch_metrics(batch: TensorDictBase, elapsed: float, version: int, steps: in
     names = batch.keys(True)
     reward = batch.get(keys.REWARD_RAW if keys.REWARD_RAW in names else keys.REWARD).squeeze(-1)
     tokens = int(batch.get(keys.MASK).sum()) if not is_last_step_only else int(batch.get(keys.RESPONSE_LEN).sum() + n_done)
-    lag = (version - batch.get(keys.POLICY_VERSION)[mask]).float()
+    versions, n_valid = batch.get(keys.POLICY_VERSION), int(mask.sum())
     out = {
         "tokens": tokens,
         "tokens_per_s": tokens / max(elapsed, 1e-9),
         "finished": n_done,
         "policy_version": version,
         "steps": steps,
-        "staleness_mean": float(lag.mean()) if lag.numel() else 0.0,
-        "staleness_max": float(lag.max()) if lag.numel() else 0.0,
+        # reductions over the mask, not a boolean-indexed copy of the versions
+        "staleness_mean": float(version - (versions * mask).sum(dtype=torch.float64) / n_valid) if n_valid else 0.0,
+        "staleness_max": float(version - torch.where(mask, versions, version).min()) if n_valid else 0.0,
     }
     nan = float("nan")
     if n_done:

@@ -137,6 +137,8 @@ class WaveSource:
         if getattr(env, "base_env", env) is not env:
             raise TypeError("source='wave' needs a bare TokenEnv (env transforms run per step); use source='step'")
         self.env, self.policy, self.done = env, policy, None
+        self.width: int | None = None  # pad waves to this many steps (a recorder's fixed batch width)
+        self.last_steps = 0  # env steps of the last wave (without the padding)
 
     def start(self) -> tuple[list[int], PromptError | None]:
         self.done = torch.zeros(self.env.batch_size[0], dtype=torch.bool)
@@ -163,7 +165,8 @@ class WaveSource:
         if len(request) == 0:
             self.done = torch.zeros_like(self.done)
             return {}, refilled, None
-        steps = self.env.unroll(request, self.policy.generate(request))
+        steps = self.env.unroll(request, self.policy.generate(request), width=self.width)
+        self.last_steps = max(int(steps.get(keys.ACTIVE).any(0).sum()), 1) if self.width else steps.shape[1]
         nxt = steps.get(_NEXT)
         self.done = nxt.get(keys.DONE[1]).squeeze(-1).any(1)
         out = {flat_name(k): v for k, v in steps.items(include_nested=True, leaves_only=True)}

@@ -12,7 +12,7 @@ from tensordict import TensorDictBase
 
 from tokengym.collectors._checkpoint import collector_state, load_collector_state
 from tokengym.collectors._metrics import batch_metrics
-from tokengym.collectors.policies.protocol import as_token_policy
+from tokengym.collectors.policies.protocol import as_token_policy, check_policy_env
 from tokengym.collectors.recorders import Step, StepRecorder, TrajectoryRecorder
 from tokengym.collectors.sinks import write_to_sink
 from tokengym.collectors.sources import SourceKind, make_source
@@ -122,6 +122,10 @@ class TokenCollector:
         self.batch_size, self.total_steps, self.postproc, self.sink = batch_size, total_steps, postproc, sink
         self.logger = logger
         self.source = make_source(source, env, policy)
+        if self.mode is CollectMode.TRAJECTORIES and self.options.is_fixed_width and hasattr(self.source, "width"):
+            self.source.width = base.max_new_tokens  # waves come as wide as the batches: no padding copy
+        if self.source.kind == "step":  # a stepping policy reads its env's tokens: another env fails here
+            check_policy_env(policy, env)
         self.steps_done, self.metrics, self.is_started = 0, {}, False
         self.prompts = PromptTable(pad_token_id=base.tokenizer.pad_token_id)  # the layouts pad with it
         self.pending: dict | None = None  # steps of a wave that did not fit into the last batch
@@ -167,7 +171,7 @@ class TokenCollector:
         for traj, ids in self.base_env.pop_finished_sequences().items():
             self.prompts.add_sequence(traj, ids)
         if chunk:
-            self.steps_done += 1 if isinstance(chunk, Step) else next(iter(chunk.values())).shape[1]
+            self.steps_done += 1 if isinstance(chunk, Step) else getattr(self.source, "last_steps", 0) or next(iter(chunk.values())).shape[1]
             self.pending = self.recorder.write(chunk)
         if error is not None:
             self.counters["failed_prompts"] += len(getattr(error, "slots", ()) or ())
@@ -220,9 +224,11 @@ class TokenCollector:
         return batch
 
     def _add_prompts(self, batch: TensorDictBase) -> None:
-        mask = batch.get(keys.MASK)
-        groups = batch.get(keys.GROUP_ID)[mask].unique()
-        trajs = batch.get(keys.TRAJ_ID)[mask].unique()
+        mask, traj = batch.get(keys.MASK), batch.get(keys.TRAJ_ID)
+        first = mask.clone()  # each trajectory's first step in each row: a few ids, not every step's
+        first[:, 1:] &= traj[:, 1:] != traj[:, :-1]
+        groups = batch.get(keys.GROUP_ID)[first].unique()
+        trajs = traj[first].unique()
         batch.set_non_tensor(keys.PROMPTS, self.prompts.subset(groups, trajs))
         # keep only prompts still referenced by live slots or queued trajectories (bounded memory)
         live = [p.group_id for b in range(self.base_env.batch_size[0]) if (p := self.base_env.slot_prompt(b))]
@@ -297,6 +303,13 @@ class TokenCollector:
         if slots:
             self.counters["dropped_tokens"] += sum(n for _, n in resp if n > 0)
             self.source.restart(slots)
+
+    def __repr__(self) -> str:
+        source = getattr(self.source, "kind", None)
+        return (f"{type(self).__name__}(mode={self.mode.value!r}, batch_size={self.batch_size}, "
+                f"total_steps={self.total_steps}, source={getattr(source, 'value', type(self.source).__name__)!r}, "
+                f"policy={type(self.policy).__name__}(version={self.policy.version}), env={self.env!r}, "
+                f"steps_done={self.steps_done})")  # fmt: skip
 
     # -- TorchRL collector conventions --
     def set_seed(self, seed: int, static_seed: bool = False) -> int:

@@ -10,6 +10,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase
 
 from tokengym.llm_envs import keys
+from tokengym.llm_envs._decode import ResponseDecoder
 from tokengym.llm_envs._env_checks import check_int, check_rewards, check_tokenizer, context_limit, eos_ids
 from tokengym.llm_envs._slots import write_prompts
 from tokengym.llm_envs._stop import StopChecker
@@ -132,6 +133,7 @@ class TokenEnv(EnvBase):
         self._arange = torch.arange(B)
         self._eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)
         self._reset_td = None
+        self._decoder: ResponseDecoder | None = None
 
     def _set_seed(self, seed: int | None) -> None:
         if seed is not None:
@@ -459,9 +461,9 @@ class TokenEnv(EnvBase):
             return
         slots = slots.tolist()
         starts, ends = self._rt.state[keys.PROMPT_LEN].tolist(), new_len.tolist()  # two reads, not two per slot
-        responses = self.tokenizer.batch_decode(
-            [self._tokens[b, starts[b] : ends[b]] for b in slots], skip_special_tokens=True
-        )
+        ids = [self._tokens[b, starts[b] : ends[b]] for b in slots]
+        # a reward function declaring ``takes_token_ids = True`` gets the response ids, undecoded
+        responses = ids if getattr(self.reward_fn, "takes_token_ids", False) else self.decode_responses(ids)
         prompts = [self._prompts[b] for b in slots]
         trl = {}  # a TRL-style reward function also gets the completion ids and the chat messages, as in TRL
         if getattr(self.reward_fn, "use_trl_inputs", False):
@@ -478,6 +480,13 @@ class TokenEnv(EnvBase):
             ) from err
         reward[slots, 0] = check_rewards(values, slots, prompts)
 
+    def decode_responses(self, rows: list[torch.Tensor]) -> list[str]:
+        """The text of response id rows, as ``tokenizer.batch_decode(rows, skip_special_tokens=True)`` gives it
+        (vectorized for byte-level BPE tokenizers)."""
+        if self._decoder is None:
+            self._decoder = ResponseDecoder(self.tokenizer)
+        return self._decoder(rows)
+
     # -- whole waves --
     def wave_request(self) -> WaveRequest:
         """The live slots a generation backend should continue until their turn ends (see :meth:`unroll`).
@@ -493,7 +502,7 @@ class TokenEnv(EnvBase):
         return WaveRequest(slots=slots, prompts=prompts, max_new_tokens=budget,
                            eos_token_ids=tuple(sorted(self.eos_token_ids)), stop_strings=self.stop_strings)  # fmt: skip
 
-    def unroll(self, request: WaveRequest, result: WaveResult) -> TensorDictBase:
+    def unroll(self, request: WaveRequest, result: WaveResult, *, width: int | None = None) -> TensorDictBase:
         """The steps (B, T) that stepping the env through ``result``'s tokens gives, built at once.
 
         Applies the env's own termination (EOS, stop strings, ``max_new_tokens``, ``max_length``;
@@ -502,7 +511,8 @@ class TokenEnv(EnvBase):
         buffer and leaves every slot of the wave at its turn's end (done, or continuing to its next
         turn in a multi-turn env). Slots outside the request idle (``active`` False). The result holds
         the observation, ``action``, ``action_log_prob`` (``raw_log_prob`` when given),
-        ``policy_version`` and ``("next", ...)`` of every step.
+        ``policy_version`` and ``("next", ...)`` of every step, zero past each row's end; ``width`` pads it
+        to at least that many steps (e.g. a recorder's fixed batch width).
         """
         if not self._rt.is_reset:
             raise ResetNeeded("TokenEnv.unroll before reset(); call env.reset() first")
@@ -517,7 +527,7 @@ class TokenEnv(EnvBase):
         self._copy_on_write()
         self._commit(steps.last_action, steps.in_wave, steps.new_len, steps.resp_len, done, any_done=bool(done.any()))
         self._continue_turns(end.appended, steps.new_len)
-        return steps.to_tensordict(end, self._rt.state)
+        return steps.to_tensordict(end, self._rt.state, width)
 
     def _unroll_rules(self):
         return dict(eos=self._eos, stop=self._stop, max_new_tokens=self.max_new_tokens, max_length=self.max_length)

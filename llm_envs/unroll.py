@@ -81,42 +81,66 @@ class WaveSteps:
         rows, cols, previous = self.written
         tokens[rows, cols] = previous
 
-    def to_tensordict(self, end: TurnEnd, after: dict) -> TensorDict:
-        """The (B, Tn) steps; ``after`` is the env state once the turn ends (continuing slots moved on)."""
+    def to_tensordict(self, end: TurnEnd, after: dict, width: int | None = None) -> TensorDict:
+        """The (B, Tn) steps; ``after`` is the env state once the turn ends (continuing slots moved on).
+
+        Every tensor is zero past each row's last step (and on rows outside the wave), so the rows are
+        whole right-padded trajectories a recorder can hand out as they are; each is built in one pass.
+        ``width`` pads the steps to at least that many (inactive) steps in the same pass.
+        """
         s0, B = self.start, self.actions.shape[0]
         Tn = int(self.end[self.in_wave].max()) + 1 if bool(self.in_wave.any()) else 1
+        Tn = max(Tn, width or 0)
+        if self.actions.shape[1] < Tn:
+            grow = Tn - self.actions.shape[1]
+            self.actions = torch.nn.functional.pad(self.actions, (0, grow))
+            self.log_probs = torch.nn.functional.pad(self.log_probs, (0, grow))
+            if self.raw_log_probs is not None:
+                self.raw_log_probs = torch.nn.functional.pad(self.raw_log_probs, (0, grow))
         t = torch.arange(Tn)
-        valid = self.in_wave[:, None] & (t <= self.end[:, None])  # (B, Tn)
-        is_end = self.in_wave[:, None] & (t == self.end[:, None])
+        end_at = torch.where(self.in_wave, self.end, -1)[:, None]  # (B, 1): -1 outside the wave
+        valid = t <= end_at  # (B, Tn)
+        is_end = t == end_at
         term, trunc = is_end & end.terminated[:, None], is_end & end.truncated[:, None]
-        reward = torch.zeros(B, Tn, 1)
-        reward[:, :, 0] = torch.where(is_end, end.reward[:, :1].expand(B, Tn), 0.0)
-        acts = self.actions[:, :Tn]
-        pos = s0[keys.SEQ_LEN][:, None] + t
-        resp = s0[keys.RESPONSE_LEN][:, None] + t
-        fixed = {k: s0[k][:, None].expand(B, Tn) for k in _FIXED}
-        obs = {keys.TOKEN: torch.cat([s0[keys.TOKEN][:, None], acts[:, :-1]], 1), keys.SEQ_LEN: pos,
-               keys.RESPONSE_LEN: resp, keys.ACTIVE: valid, **fixed}  # fmt: skip
-        nxt = {keys.TOKEN: acts, keys.SEQ_LEN: pos + 1, keys.RESPONSE_LEN: resp + 1, keys.ACTIVE: valid, **fixed}
+        zero = torch.zeros((), dtype=torch.int64)
+        acts = self.actions[:, :Tn] * valid
+        seq = torch.where(valid, s0[keys.SEQ_LEN][:, None] + t, zero)
+        resp = torch.where(valid, s0[keys.RESPONSE_LEN][:, None] + t, zero)
+        token = torch.where(valid, torch.cat([s0[keys.TOKEN][:, None], acts[:, :-1]], 1), zero)
+        fixed = {k: torch.where(valid, s0[k][:, None], zero) for k in _FIXED}
+        obs = {keys.TOKEN: token, keys.SEQ_LEN: seq, keys.RESPONSE_LEN: resp, keys.ACTIVE: valid, **fixed}
+        nxt = {keys.TOKEN: acts, keys.SEQ_LEN: seq + valid, keys.RESPONSE_LEN: resp + valid, keys.ACTIVE: valid,
+               keys.TRAJ_ID: fixed[keys.TRAJ_ID], keys.GROUP_ID: fixed[keys.GROUP_ID], keys.SAMPLE_ID: fixed[keys.SAMPLE_ID],
+               keys.PROMPT_LEN: fixed[keys.PROMPT_LEN].clone(), keys.TURN: fixed[keys.TURN].clone()}  # fmt: skip
         if end.appended:  # a continuing turn: the last step's next observation is the next turn's start
             rows = torch.tensor(sorted(end.appended))
+            nxt[keys.TOKEN] = nxt[keys.TOKEN].clone()  # not the actions' tensor
             for key in _AFTER_TURN:
-                nxt[key] = nxt[key].clone()
                 nxt[key][rows, self.end[rows]] = after[key][rows]
-        done = (term | trunc)[..., None]
-        nxt.update(reward=reward, done=done, terminated=term[..., None], truncated=trunc[..., None])
+        reward = torch.where(is_end, end.reward[:, :1], 0.0).unsqueeze(-1)
+        done = (term | trunc).unsqueeze(-1)
+        nxt.update(reward=reward, done=done, terminated=term.unsqueeze(-1), truncated=trunc.unsqueeze(-1))
         out = {**obs, keys.ACTION: acts, keys.ACTION_LOG_PROB: self.log_probs[:, :Tn] * valid,
-               keys.POLICY_VERSION: torch.full((B, Tn), self.version), keys.NEXT: TensorDict(nxt, [B, Tn])}  # fmt: skip
+               keys.POLICY_VERSION: valid * self.version, keys.NEXT: TensorDict._new_unsafe(nxt, torch.Size([B, Tn]))}  # fmt: skip
         if self.raw_log_probs is not None:
             out[keys.RAW_LOG_PROB] = self.raw_log_probs[:, :Tn] * valid
-        return TensorDict(out, [B, Tn])
+        return TensorDict._new_unsafe(out, torch.Size([B, Tn]))
+
+
+def _is_any(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``torch.isin(values, ids)``; a few comparisons are several times faster for the usual 1-3 EOS ids."""
+    if ids.numel() > 4 or ids.numel() == 0:
+        return torch.isin(values, ids)
+    out = values == int(ids[0])
+    for i in ids[1:].tolist():
+        out |= values == i
+    return out
 
 
 def _first_true(flags: torch.Tensor) -> torch.Tensor:
-    """Index of the first True per row of (B, T), or T when none."""
-    T = flags.shape[1]
-    idx = torch.where(flags, torch.arange(T).expand_as(flags), torch.full_like(flags, T, dtype=torch.int64))
-    return idx.min(dim=1).values
+    """Index of the first True per row of (B, T), or T when none (argmax gives the first maximum)."""
+    first = flags.to(torch.uint8).argmax(dim=1)
+    return torch.where(flags.any(dim=1), first, flags.shape[1])
 
 
 def unroll_wave(wave: WaveSteps, state: dict, tokens: torch.Tensor, rules: dict) -> WaveSteps:
@@ -133,10 +157,11 @@ def unroll_wave(wave: WaveSteps, state: dict, tokens: torch.Tensor, rules: dict)
     t = torch.arange(T)
     pos = seq0[:, None] + t  # (B, T) where each action is written
     real = in_wave[:, None] & (t < wave.lengths[:, None]) & (pos < rules["max_length"])
-    rows = torch.arange(B)[:, None].expand(B, T)
-    wave.written = (rows[real], pos[real], tokens[rows[real], pos[real]].clone())
-    tokens[rows[real], pos[real]] = actions[real]
-    terminated = real & torch.isin(actions, rules["eos"])
+    r, c = real.nonzero(as_tuple=True)  # once: the boolean mask is not resolved again per use
+    p = pos[r, c]
+    wave.written = (r, p, tokens[r, p])  # advanced indexing copies: the previous entries, for a rollback
+    tokens[r, p] = actions[r, c]
+    terminated = real & _is_any(actions, rules["eos"])
     stop = rules["stop"]
     if stop.is_enabled:
         for j in range(T):  # only tokens that could complete a stop string are decoded

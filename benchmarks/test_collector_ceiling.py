@@ -1,0 +1,185 @@
+"""Collector ceiling (issue 19): how fast tokengym turns already-generated tokens into batches, on one core.
+
+The policies answer instantly (random tokens of random lengths, no model), so what is measured is
+everything tokengym does around generation: the env's unroll (termination, rewards with the response
+text decoded), recording, provenance and the batch TensorDict. Beside each collector, in the same run
+and interleaved with it, the floor: the same waves turned into (N, T) action / log-prob / mask / done
+tensors by a few torch ops. The share of decoding is the time the env's decoder takes on the same
+responses, over the collector's time.
+
+Run: ``pytest benchmarks/test_collector_ceiling.py -q`` (one torch thread; the table prints at the end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import pytest
+import torch
+
+from tokengym.collectors import TokenCollector
+from tokengym.llm_envs import PromptSource, TokenEnv, keys
+from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
+from tokengym.llm_envs.waves import WaveResult
+from tokengym.testing import tiny_tokenizer
+
+_PROMPTS = [f"{a}+{b}=" for a in range(40) for b in range(40)]
+
+
+class InstantPolicy:
+    """Random tokens of random lengths (uniform in [1, budget]), no model: whole waves or one token per slot."""
+
+    def __init__(self, vocab: int, first: int, *, p_end: float, seed: int = 0) -> None:
+        self.vocab, self.first, self.p_end, self.version = vocab, first, p_end, 0
+        self.gen = torch.Generator().manual_seed(seed)
+        self.eos = first - 1
+
+    def __call__(self, td):
+        B = td.batch_size[0]
+        action = torch.randint(self.first, self.vocab, (B,), generator=self.gen)
+        action = torch.where(torch.rand(B, generator=self.gen) < self.p_end, self.eos, action)
+        td.set(keys.ACTION, action)
+        td.set(keys.ACTION_LOG_PROB, torch.zeros(B))
+        return td.set(keys.POLICY_VERSION, torch.full((B,), self.version))
+
+    def generate(self, request):
+        n, T = len(request), int(request.max_new_tokens.max())
+        actions = torch.randint(self.first, self.vocab, (n, T), generator=self.gen)
+        lengths = (torch.rand(n, generator=self.gen) * request.max_new_tokens).long() + 1
+        return WaveResult(actions, lengths.clamp(max=request.max_new_tokens), -torch.rand(n, T, generator=self.gen),
+                          version=self.version)  # fmt: skip
+
+    def update_weights(self, weights=None) -> int:
+        self.version += 1
+        return self.version
+
+    def state_dict(self) -> dict:
+        return {"version": self.version}
+
+    def load_state_dict(self, state) -> None:
+        self.version = state["version"]
+
+    def close(self) -> None:
+        pass
+
+
+def _zero_reward(responses, prompts, metadata):
+    return [0.0] * len(responses)
+
+
+def _feedback(responses, prompts, metadata, turns):
+    return [Turn(0.0, "ok") for _ in responses]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    source: str  # "wave" | "step"
+    B: int
+    max_new_tokens: int
+    mode: str  # "trajectories" | "steps"
+    turns: int = 1
+    batches: int = 3
+
+    @property
+    def name(self) -> str:
+        turns = "single" if self.turns == 1 else f"{self.turns}-turn"
+        return f"{self.source}-B{self.B}-T{self.max_new_tokens}-{self.mode}-{turns}"
+
+
+CASES = [
+    Case("wave", 256, 1024, "trajectories"),
+    Case("wave", 256, 1024, "steps"),
+    Case("wave", 64, 256, "trajectories", batches=8),
+    Case("wave", 256, 1024, "trajectories", turns=2),
+    Case("step", 64, 256, "trajectories", batches=2),
+    Case("step", 256, 256, "trajectories", batches=1),
+    Case("step", 64, 256, "steps", batches=4),
+]
+
+
+def _collector(case: Case) -> TokenCollector:
+    tok = tiny_tokenizer()
+    source = PromptSource(_PROMPTS, tok, group_size=8)
+    kwargs = dict(batch_size=case.B, max_new_tokens=case.max_new_tokens, max_length=case.turns * (case.max_new_tokens + 16) + 16)
+    if case.turns == 1:
+        env = TokenEnv(source, tok, _zero_reward, **kwargs)
+    else:
+        env = MultiTurnTokenEnv(source, tok, _feedback, max_turns=case.turns, **kwargs)
+    first = max(tok.all_special_ids) + 1
+    policy = InstantPolicy(len(tok), first, p_end=1.0 / (case.max_new_tokens / 2), seed=0)
+    policy.eos = tok.eos_token_id
+    size = case.B if case.mode == "trajectories" else (case.max_new_tokens if case.source == "wave" else 64)
+    return TokenCollector(env, policy, mode=case.mode, batch_size=size, source=case.source)
+
+
+def _floor(case: Case):
+    """The same waves as (N, T) tensors built by a few torch ops: the least any collector must do."""
+    policy = InstantPolicy(len(tiny_tokenizer()), 16, p_end=0.0, seed=0)
+    budget = torch.full((case.B,), case.max_new_tokens)
+
+    class _Request:
+        max_new_tokens = budget
+
+        def __len__(self):
+            return case.B
+
+    def run() -> int:
+        result = policy.generate(_Request())
+        t = torch.arange(result.actions.shape[1])
+        mask = t < result.lengths[:, None]
+        done = t == (result.lengths - 1)[:, None]
+        _ = (result.actions * mask, result.log_probs * mask, mask, done)
+        return int(result.lengths.sum())
+
+    return run
+
+
+def _run(collector: TokenCollector, batches: int, state: dict):
+    it = state.setdefault("it", iter(collector))
+    next(it)  # warm-up batch in the first round only matters little; every round counts its own batches
+
+    def run() -> int:
+        tokens = 0
+        for _ in range(batches):
+            tokens += int(next(it)[keys.MASK].sum())
+        return tokens
+
+    return run
+
+
+def _decode_share(collector: TokenCollector, batch) -> float:
+    """Seconds the env's response decoder takes for ``batch``'s responses, per real token."""
+    env = collector.base_env
+    mask = batch[keys.MASK]
+    rows = [batch[keys.ACTION][i][mask[i]] for i in range(batch.shape[0])] if batch.batch_dims == 2 else []
+    tokens = sum(len(r) for r in rows)
+    if not tokens:
+        return 0.0
+    decode = getattr(env, "decode_responses", None) or (lambda r: env.tokenizer.batch_decode(r, skip_special_tokens=True))
+    start = time.perf_counter()
+    decode(rows)
+    return (time.perf_counter() - start) / tokens
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_collector_ceiling(benchmark, case, interleaved, ceiling_table):
+    torch.manual_seed(0)
+    collector = _collector(case)
+    state: dict = {}
+    runs = {"collector": _run(collector, case.batches, state)}
+    if case.source == "wave":
+        runs["floor"] = _floor(case)
+    rates = interleaved(runs, 3, benchmark)
+    med = {n: statistics.median(v) for n, v in rates.items()}
+    per_token = 1e6 / med["collector"]
+    decode = _decode_share(collector, next(state["it"])) * 1e6
+    row = {"tokens_per_s": med["collector"], "us_per_token": per_token, "decode_share": decode / per_token}
+    if case.source == "step":
+        row["us_per_env_step"] = per_token * case.B
+    if "floor" in med:
+        row["floor_tokens_per_s"] = med["floor"]
+        row["collector_over_floor"] = statistics.median(a / b for a, b in zip(rates["collector"], rates["floor"], strict=True))
+    benchmark.extra_info.update(row)
+    ceiling_table[case.name] = row

@@ -1,0 +1,76 @@
+"""Shared pieces of the recorders: flat key names, one-step chunks and per-dtype packing of steps."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from tokengym.llm_envs import keys
+
+__all__ = ["Packer", "Step", "chunk_width", "flat_name", "to_tensordict"]
+
+
+def flat_name(key) -> str:
+    """The flat name of a (possibly nested) key, as ``TensorDict.flatten_keys(".")`` writes it."""
+    return ".".join(key) if isinstance(key, tuple) else key
+
+
+F_MASK, F_ACTIVE, F_DONE, F_RESP = flat_name(keys.MASK), keys.ACTIVE, flat_name(keys.DONE), keys.RESPONSE_LEN
+F_VERSION, F_TRAJ, F_GROUP = keys.POLICY_VERSION, keys.TRAJ_ID, keys.GROUP_ID
+
+
+def to_tensordict(flat: dict, batch_size) -> TensorDict:
+    return TensorDict(flat, batch_size).unflatten_keys(".")
+
+
+class Step(dict):
+    """One env step of every slot: flat names to (B, ...) tensors (a chunk of width 1 without the
+    (B, 1, ...) views, so a step source hands its tensors over as they are)."""
+
+
+def chunk_width(chunk: dict) -> int:
+    return 1 if isinstance(chunk, Step) else next(iter(chunk.values())).shape[1]
+
+
+class Packer:
+    """Packs a step's tensors into one tensor per dtype, so a chunk is written with a few copies."""
+
+    def __init__(self, flat: dict) -> None:
+        lead = 1 if isinstance(flat, Step) else 2
+        self.groups: dict[torch.dtype, list[tuple[str, tuple]]] = {}
+        for name, v in flat.items():
+            self.groups.setdefault(v.dtype, []).append((name, tuple(v.shape[lead:])))
+        # a step packs with one column_stack per dtype when every tensor is (B,) or (B, n)
+        self.is_flat = all(len(trailing) <= 1 for names in self.groups.values() for _, trailing in names)
+
+    def pack(self, flat: dict, lead: int | None = None) -> dict[torch.dtype, torch.Tensor]:
+        """One tensor per dtype: (B, n) for a :class:`Step`, (B, k, n) for a chunk (``lead`` leading dims)."""
+        if isinstance(flat, Step) and self.is_flat:
+            return {dtype: torch.column_stack([flat[name] for name, _ in names]) for dtype, names in self.groups.items()}
+        lead = next(iter(flat.values())).shape[: lead or (1 if isinstance(flat, Step) else 2)]
+        return {dtype: torch.cat([flat[name].reshape(*lead, -1) for name, _ in names], dim=-1)
+                for dtype, names in self.groups.items()}  # fmt: skip
+
+    def column(self, name: str) -> tuple[torch.dtype, int]:
+        """Where a (B,)-shaped key lives in the packed tensors: (dtype, column)."""
+        for dtype, names in self.groups.items():
+            offset = 0
+            for other, trailing in names:
+                if other == name:
+                    return dtype, offset
+                offset += int(torch.Size(trailing).numel())
+        raise KeyError(name)
+
+    def unpack(self, packed: dict[torch.dtype, torch.Tensor], *, clone: bool = True) -> dict:
+        """Flat names to tensors (copies, or views of ``packed`` with ``clone=False``)."""
+        out = {}
+        for dtype, names in self.groups.items():
+            offset, data = 0, packed[dtype]
+            for name, trailing in names:
+                width = 1
+                for d in trailing:
+                    width *= d
+                v = data[..., offset : offset + width].reshape(*data.shape[:-1], *trailing)
+                out[name] = v.clone() if clone else v
+                offset += width
+        return out

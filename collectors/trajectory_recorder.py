@@ -1,0 +1,274 @@
+"""TrajectoryRecorder: finished trajectories, released by whole groups as right-padded (N, T) batches."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from tokengym.collectors._packing import (
+    F_ACTIVE,
+    F_DONE,
+    F_GROUP,
+    F_MASK,
+    F_RESP,
+    F_TRAJ,
+    F_VERSION,
+    Packer,
+    Step,
+    flat_name,
+    to_tensordict,
+)
+from tokengym.llm_envs import keys
+
+__all__ = ["TrajectoryRecorder"]
+
+
+class _Segment:
+    """Where finished trajectories' steps are: a wave's own (B, Tn, ...) tensors by flat name (``is_packed``
+    False; zero past each row's end), or the recorder's packed row store (dtype -> (R, T_max, n))."""
+
+    __slots__ = ("tensors", "is_packed")
+
+    def __init__(self, tensors: dict, *, is_packed: bool = False) -> None:
+        self.tensors, self.is_packed = tensors, is_packed
+
+
+class TrajectoryRecorder:
+    """Finished trajectories, right-padded to (N, T), released by whole groups.
+
+    A finished trajectory is a reference ``(segment, row, length, group, traj)``, never a copy:
+
+    - a wave's rows that hold whole trajectories (single-turn waves) stay in the wave's own tensors;
+    - a trajectory built step by step (the step source, or turns continuing across waves) is written
+      into a row of a packed store (one tensor per dtype), and keeps that row once it ends: its slot
+      moves on to a free row. The store grows when every row is taken (bounded: live slots plus
+      waiting trajectories).
+
+    Finished trajectories wait per group until the group's ``group_size`` samples are in; complete
+    groups are released in the order they completed, and a batch's tensors are assembled once, in
+    :meth:`pop` (no copy at all when the batch is one wave's rows in order). Waiting is bounded: every
+    waiting group has a sample in a slot or in the prompt source (a group that can no longer complete
+    is dropped with :meth:`drop_groups`), so at most ``(B + 1) * (group_size - 1)`` trajectories wait.
+
+    Args:
+        batch_size: ``N``, trajectories per batch (a multiple of ``group_size``).
+        max_steps: the longest trajectory (the env's ``max_new_tokens``).
+        group_size: samples per group; 1 releases every trajectory as it finishes.
+        is_fixed_width: pad every batch to ``max_steps`` (batches then stack in a replay buffer).
+    """
+
+    def __init__(self, batch_size: int, max_steps: int, *, group_size: int = 1, is_fixed_width: bool = True) -> None:
+        if batch_size % group_size:
+            raise ValueError(f"batch_size={batch_size} is not a multiple of group_size={group_size}")
+        self.batch_size, self.max_steps, self.is_fixed_width = batch_size, max_steps, is_fixed_width
+        self.group_size = group_size
+        self.store: _Segment | None = None  # packed rows of trajectories written step by step
+        self.row_of_slot: torch.Tensor | None = None  # (B,) the store row each slot writes into
+        self.free: list[int] = []
+        self._packer: Packer | None = None
+        self.ready: list[tuple] = []  # (segment, row, length, group, traj) of complete groups
+        self.waiting: dict[int, list[tuple]] = {}  # group -> its finished trajectories so far
+        self.counters = {"dropped_groups": 0, "dropped_trajectories": 0}
+
+    # -- writing --
+    def write(self, chunk: dict) -> None:
+        """Record k steps (B, k, ...) (or a :class:`Step`); trajectories that end are queued by group."""
+        if isinstance(chunk, Step):
+            self._write_steps(chunk)
+            return None
+        active = chunk[F_ACTIVE]  # (B, k)
+        done = chunk[F_DONE].reshape(active.shape)
+        first = active[:, 0]
+        whole = first & (chunk[F_RESP][:, 0] == 0) & done.any(1)  # the wave holds the whole trajectory
+        if not bool(whole.all()) and bool((first & ~whole).any()):
+            self._write_steps(chunk, rows=(first & ~whole).nonzero().squeeze(-1))
+        if bool(whole.any()):
+            rows = whole.nonzero().squeeze(-1)
+            lengths = chunk[F_RESP][rows].gather(1, done[rows].int().argmax(1, keepdim=True)).squeeze(1) + 1
+            self._finish(_Segment(chunk), rows, lengths, chunk[F_GROUP][rows, 0], chunk[F_TRAJ][rows, 0])
+        return None
+
+    def _alloc(self, packed: dict, B: int) -> None:
+        self.store = _Segment({dt: v.new_zeros(B, self.max_steps, v.shape[-1]) for dt, v in packed.items()}, is_packed=True)
+        self.row_of_slot, self.free = torch.arange(B), []
+
+    def _take_rows(self, n: int) -> torch.Tensor:
+        """``n`` free rows of the store (it doubles when none are left)."""
+        if len(self.free) < n:
+            size = next(iter(self.store.tensors.values())).shape[0]
+            grow = max(size, n)
+            self.store.tensors = {dt: torch.cat([v, v.new_zeros(grow, *v.shape[1:])]) for dt, v in self.store.tensors.items()}
+            self.free += range(size, size + grow)
+        rows, self.free = self.free[:n], self.free[n:]
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def _write_steps(self, chunk: dict, rows: torch.Tensor | None = None) -> None:
+        """Write live steps into the slots' store rows at their response positions; queue rows that end."""
+        if self._packer is None:
+            self._packer = Packer(chunk if rows is None else {name: v[:1] for name, v in chunk.items()})
+        if isinstance(chunk, Step):
+            packed = self._packer.pack(chunk)
+            if self.store is None:
+                self._alloc(packed, packed[next(iter(packed))].shape[0])
+            # every slot's step goes to its own row (an idle slot's row holds no trajectory): no gather of the
+            # live slots first, one write per dtype
+            pos = chunk[F_RESP].clamp(max=self.max_steps - 1)
+            for dt, v in packed.items():
+                self.store.tensors[dt][self.row_of_slot, pos] = v
+            is_done = chunk[F_DONE].reshape(-1) & chunk[F_ACTIVE]
+            if not bool(is_done.any()):
+                return
+            slots = is_done.nonzero().squeeze(-1)
+            pos, done = pos[slots], torch.ones(len(slots), dtype=torch.bool)
+        else:
+            part = {name: v[rows] for name, v in chunk.items()}
+            packed = self._packer.pack(part)
+            if self.store is None:
+                self._alloc(packed, chunk[F_ACTIVE].shape[0])
+            r, cols = part[F_ACTIVE].nonzero(as_tuple=True)
+            pos = part[F_RESP][r, cols]
+            slots = rows[r]
+            dst = self.row_of_slot[slots]
+            for dt, v in packed.items():
+                self.store.tensors[dt][dst, pos] = v[r, cols]
+            done = part[F_DONE].reshape(part[F_ACTIVE].shape)[r, cols]
+        if bool(done.any()):
+            ended, lengths = slots[done], pos[done] + 1
+            finished = self.row_of_slot[ended]
+            self.row_of_slot[ended] = self._take_rows(len(ended))  # the slots move on; the rows stay queued
+            g_dt, g_col = self._packer.column(F_GROUP)
+            t_dt, t_col = self._packer.column(F_TRAJ)
+            groups = self.store.tensors[g_dt][finished, 0, g_col]
+            trajs = self.store.tensors[t_dt][finished, 0, t_col]
+            self._finish(self.store, finished, lengths, groups, trajs)
+
+    def _finish(self, seg: _Segment, rows, lengths, groups, trajs) -> None:
+        entries = zip([seg] * len(rows), rows.tolist(), lengths.tolist(), groups.tolist(), trajs.tolist(), strict=True)
+        if self.group_size == 1:
+            self.ready.extend(entries)
+            return
+        for entry in entries:
+            members = self.waiting.setdefault(entry[3], [])
+            members.append(entry)
+            if len(members) == self.group_size:
+                self.ready.extend(self.waiting.pop(entry[3]))
+
+    def drop_groups(self, groups) -> int:
+        """Drop the waiting trajectories of ``groups`` (groups that can no longer complete); returns how many."""
+        n = 0
+        for g in groups:
+            members = self.waiting.pop(int(g), None)
+            if members:
+                n += len(members)
+                self.counters["dropped_groups"] += 1
+                self.counters["dropped_trajectories"] += len(members)
+                self.free += [e[1] for e in members if e[0] is self.store]
+        return n
+
+    # -- reading --
+    @property
+    def is_full(self) -> bool:
+        return len(self.ready) >= self.batch_size
+
+    @property
+    def num_waiting(self) -> int:
+        """Finished trajectories waiting for the rest of their group."""
+        return sum(len(m) for m in self.waiting.values())
+
+    def pop(self, n: int | None = None) -> TensorDict:
+        """Right-padded (n, T) tensors of the first ``n`` ready trajectories (in the order they became
+        ready), with mask and versions; zeros past each trajectory's end."""
+        n = self.batch_size if n is None else n
+        take, self.ready = self.ready[:n], self.ready[n:]
+        lengths = torch.tensor([e[2] for e in take])
+        width = self.max_steps if self.is_fixed_width else int(lengths.max())
+        mask = torch.arange(width)[None, :] < lengths[:, None]
+        out = self._assemble(take, width, mask)
+        self.free += [e[1] for e in take if e[0] is self.store]
+        out[F_MASK] = mask
+        version, last = out[F_VERSION], (lengths - 1)[:, None]
+        out[flat_name(keys.VERSION_START)] = version[:, :1].expand_as(version).clone()
+        out[flat_name(keys.VERSION_END)] = version.gather(1, last).expand_as(version).clone()
+        return to_tensordict(out, mask.shape)
+
+    def _assemble(self, take: list[tuple], width: int, mask: torch.Tensor) -> dict:
+        """Per flat name, the rows of ``take`` in order, cut or zero-padded to ``width``: the wave's tensors as
+        they are when ``take`` is one wave's rows in order, else one gather per segment (per dtype for the store)."""
+        parts: dict[int, tuple[_Segment, list[int], list[int]]] = {}
+        for i, e in enumerate(take):
+            part = parts.setdefault(id(e[0]), (e[0], [], []))
+            part[1].append(i)
+            part[2].append(e[1])
+        pieces = []
+        for seg, where, rows in parts.values():
+            index = torch.tensor(rows, dtype=torch.int64)
+            if seg.is_packed:
+                packed = {dt: v[:, :width].index_select(0, index) for dt, v in seg.tensors.items()}
+                m = mask[where] if len(parts) > 1 else mask
+                for v in packed.values():
+                    v.masked_fill_(~m[:, : v.shape[1], None], 0)  # store rows hold older steps past the end
+                flat = self._packer.unpack(packed)
+            elif rows == list(range(len(rows))) and len(rows) == next(iter(seg.tensors.values())).shape[0]:
+                flat = {name: v[:, :width] for name, v in seg.tensors.items()}  # the wave, as it is
+            else:
+                flat = {name: v[:, :width].index_select(0, index) for name, v in seg.tensors.items()}
+            pieces.append((where, flat))
+        out = {}
+        for name, first in pieces[0][1].items():
+            if len(pieces) == 1 and first.shape[1] == width:
+                out[name] = first
+                continue
+            v = first.new_zeros(len(take), width, *first.shape[2:])
+            for where, flat in pieces:
+                src = flat[name]
+                if len(pieces) == 1:
+                    v[:, : src.shape[1]] = src
+                else:
+                    v[torch.tensor(where), : src.shape[1]] = src
+            out[name] = v
+        return out
+
+    def flush(self) -> TensorDict | None:
+        """The ready trajectories (fewer than a batch), or ``None``; unfinished groups keep waiting."""
+        return self.pop(len(self.ready)) if self.ready else None
+
+    def queued_trajectories(self) -> list[int]:
+        """Trajectory ids finished but not yet popped."""
+        return [e[4] for e in self._entries()]
+
+    def queued_groups(self) -> list[int]:
+        return [e[3] for e in self._entries()]
+
+    def _entries(self) -> list[tuple]:
+        return self.ready + [e for members in self.waiting.values() for e in members]
+
+    # -- checkpoints --
+    def state_dict(self) -> dict:
+        """Plain data by flat name (checkpoints do not depend on the packing): each slot's live row, and the
+        queued trajectories' rows, one (n, T, ...) tensor per key, in queue order."""
+        entries = self._entries()
+        if not entries:
+            queued = None
+        else:
+            width = max(self.max_steps, max(e[2] for e in entries))
+            mask = torch.arange(width)[None, :] < torch.tensor([e[2] for e in entries])[:, None]
+            queued = {name: v.clone() for name, v in self._assemble(entries, width, mask).items()}
+        live = None
+        if self.store is not None:
+            live = self._packer.unpack({dt: v[self.row_of_slot] for dt, v in self.store.tensors.items()})
+        return {"live": live, "queued": queued, "entries": [list(e[2:]) for e in entries],
+                "num_ready": len(self.ready), "counters": dict(self.counters)}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.store, self.row_of_slot, self.free, self._packer = None, None, [], None
+        if state["live"] is not None:
+            self._packer = Packer(state["live"])  # (B, T_max, ...) per key
+            packed = self._packer.pack(state["live"])
+            self.store = _Segment(packed, is_packed=True)
+            self.row_of_slot = torch.arange(packed[next(iter(packed))].shape[0])
+        seg = None if state["queued"] is None else _Segment(state["queued"])
+        entries = [(seg, i, n, g, t) for i, (n, g, t) in enumerate(state["entries"])]
+        self.ready, self.waiting = entries[: state["num_ready"]], {}
+        for e in entries[state["num_ready"] :]:
+            self.waiting.setdefault(e[3], []).append(e)
+        self.counters.update(state.get("counters", {}))
