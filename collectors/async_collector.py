@@ -191,6 +191,10 @@ class AsyncCollector:
             self.version = version
         return version
 
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(max_staleness={self.max_staleness}, version={self.version}, "
+                f"queued={len(self._queue)}, collector={self.collector!r})")
+
     # -- lifecycle and checkpoints --
     def shutdown(self) -> None:
         """Stop the background thread (after the batch in progress) and shut the collector down."""

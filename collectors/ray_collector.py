@@ -176,6 +176,11 @@ class RayTokenCollector:
         return self._actor_cls.options(**options).remote(self._specs[i], i, seed, self._env_seed, self._weights_ref,
                                                          self.version, state_ref)  # fmt: skip
 
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(num_workers={self.num_workers}, mode={self.mode.value!r}, "
+                f"batch_size={self.batch_size}, seed={self.seed}, address={self.config.address!r}, "
+                f"version={self.version}, restarts={sum(self.restarts)})")  # fmt: skip
+
     def shutdown(self) -> None:
         """Stop the workers; shut down the embedded Ray (or leave the cluster) if this collector started it."""
         ray = _ray()
