@@ -32,10 +32,11 @@ def batch_metrics(batch: TensorDictBase, elapsed: float, version: int, steps: in
     }
     nan = float("nan")
     if n_done:
-        final = reward[done].double()
-        resp = batch.get((keys.NEXT, keys.RESPONSE_LEN))[done].float()
-        truncated = batch.get(keys.TRUNCATED).squeeze(-1)[done]
-        groups = batch.get(keys.GROUP_ID)[done]
+        at = done.nonzero(as_tuple=True)  # once: each boolean index would resolve the mask again
+        final = reward[at].double()
+        resp = batch.get((keys.NEXT, keys.RESPONSE_LEN))[at].float()
+        truncated = batch.get(keys.TRUNCATED).squeeze(-1)[at]
+        groups = batch.get(keys.GROUP_ID)[at]
         out.update(mean_reward=float(final.mean()), reward_std=float(final.std()) if n_done > 1 else 0.0,
                    mean_response_len=float(resp.mean()), max_response_len=float(resp.max()),
                    truncated_fraction=float(truncated.float().mean()),

@@ -105,7 +105,7 @@ class TrajectoryRecorder:
     def _write_steps(self, chunk: dict, rows: torch.Tensor | None = None) -> None:
         """Write live steps into the slots' store rows at their response positions; queue rows that end."""
         if self._packer is None:
-            self._packer = Packer(chunk if rows is None else {name: v[:1] for name, v in chunk.items()})
+            self._packer = Packer(chunk)
         if isinstance(chunk, Step):
             packed = self._packer.pack(chunk)
             if self.store is None:
@@ -113,25 +113,30 @@ class TrajectoryRecorder:
             # every slot's step goes to its own row (an idle slot's row holds no trajectory): no gather of the
             # live slots first, one write per dtype
             pos = chunk[F_RESP].clamp(max=self.max_steps - 1)
+            cell = self.row_of_slot * self.max_steps + pos  # index_copy_ on the flat rows: cheaper than index_put_
             for dt, v in packed.items():
-                self.store.tensors[dt][self.row_of_slot, pos] = v
+                store = self.store.tensors[dt]
+                store.view(-1, store.shape[-1]).index_copy_(0, cell, v)
             is_done = chunk[F_DONE].reshape(-1) & chunk[F_ACTIVE]
             if not bool(is_done.any()):
                 return
             slots = is_done.nonzero().squeeze(-1)
             pos, done = pos[slots], torch.ones(len(slots), dtype=torch.bool)
         else:
-            part = {name: v[rows] for name, v in chunk.items()}
-            packed = self._packer.pack(part)
+            # the rows' live cells, packed from the chunk as it is (no gather of the rows first)
+            sel = chunk[F_ACTIVE].clone()
+            keep = torch.zeros(sel.shape[0], dtype=torch.bool)
+            keep[rows] = True
+            sel &= keep[:, None]
+            packed = self._packer.pack(chunk)
             if self.store is None:
-                self._alloc(packed, chunk[F_ACTIVE].shape[0])
-            r, cols = part[F_ACTIVE].nonzero(as_tuple=True)
-            pos = part[F_RESP][r, cols]
-            slots = rows[r]
+                self._alloc(packed, sel.shape[0])
+            slots, cols = sel.nonzero(as_tuple=True)
+            pos = chunk[F_RESP][slots, cols]
             dst = self.row_of_slot[slots]
             for dt, v in packed.items():
-                self.store.tensors[dt][dst, pos] = v[r, cols]
-            done = part[F_DONE].reshape(part[F_ACTIVE].shape)[r, cols]
+                self.store.tensors[dt][dst, pos] = v[slots, cols]
+            done = chunk[F_DONE].reshape(sel.shape)[slots, cols]
         if bool(done.any()):
             ended, lengths = slots[done], pos[done] + 1
             finished = self.row_of_slot[ended]

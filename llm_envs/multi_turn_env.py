@@ -174,9 +174,7 @@ class MultiTurnTokenEnv(TokenEnv):
         slots = finished.nonzero().squeeze(-1).tolist()
         s = self._rt.state
         p_len = s[keys.PROMPT_LEN]
-        responses = self.tokenizer.batch_decode(
-            [self._tokens[b, int(p_len[b]) : int(new_len[b])] for b in slots], skip_special_tokens=True
-        )
+        responses = self.decode_responses([self._tokens[b, int(p_len[b]) : int(new_len[b])] for b in slots])
         prompts = [self._prompts[b] for b in slots]
         turns = [int(s[keys.TURN][b]) for b in slots]
         starts = {b: int(p_len[b]) for b in slots}
