@@ -1,0 +1,27 @@
+"""The reasoning-gym recipe runs end to end in a quick mode and prints accuracy at init, after the warm
+start and after RL; its flags are checked."""
+
+import pytest
+
+from tokengym.__main__ import main as cli
+from tokengym._recipe_reasoning_gym import RecipeConfig, main, split_problems
+
+
+def test_held_out_problems_are_never_trained_on():
+    spec, train, held = split_problems(RecipeConfig())
+    assert len(held) == 40 and len(train) == 160
+    assert not {p["prompt"] for p in train} & {p["prompt"] for p in held}
+
+
+def test_quick_run_prints_the_three_stages(capsys):
+    evals = main(RecipeConfig(iterations=2, trajectories=16, warm_start_steps=3, eval_every=1, warmup_iterations=1))
+    out = capsys.readouterr().out
+    assert [e["iter"] for e in evals] == ["init", "warm start", 0, 1]
+    assert "held-out problems (never trained on): random init" in out and "nan" not in out.lower()
+
+
+def test_bad_flags():
+    with pytest.raises(SystemExit):
+        cli(["recipe-reasoning-gym", "--task", "sudoku"])
+    with pytest.raises(ValueError, match="trajectories .* must be a multiple of group_size"):
+        RecipeConfig(trajectories=10, group_size=4)
