@@ -167,7 +167,8 @@ def train(config: RecipeConfig, *, log=print) -> list[dict]:
         is_last = i + 1 >= config.iterations
         e = evaluate(i) if (i + 1) % config.eval_every == 0 or is_last else None
         acc = f"{e['train']:>9.3f} {e['held_out']:>9.3f}" if e else ""
-        log(f"{i:>4} {m['mean_reward']:>7.3f} {m.get('kl', float('nan')):>7.3f} {m['tokens_per_s']:>7.0f} {acc}".rstrip())
+        kl = m["kl"] if "kl" in m else float("nan")  # a metrics dict, not a TensorDict
+        log(f"{i:>4} {m['mean_reward']:>7.3f} {kl:>7.3f} {m['tokens_per_s']:>7.0f} {acc}".rstrip())
         if is_last:
             break
     collector.shutdown()
