@@ -114,7 +114,7 @@ def _collector(case: Case) -> TokenCollector:
     return TokenCollector(env, policy, mode=case.mode, batch_size=size, source=case.source)
 
 
-def _floor(case: Case):
+def _floor(case: Case, state: dict):
     """The same waves as (N, T) tensors built by a few torch ops: the least any collector must do."""
     policy = InstantPolicy(len(tiny_tokenizer()), 16, p_end=0.0, seed=0)
     budget = torch.full((case.B,), case.max_new_tokens)
@@ -133,12 +133,25 @@ def _floor(case: Case):
         _ = (result.actions * mask, result.log_probs * mask, mask, done)
         return int(result.lengths.sum())
 
-    return run
+    return _cpu_timed(run, state, "cpu:floor")
+
+
+def _cpu_timed(run, state: dict, name: str):
+    """``run`` that also records its tokens per second of this process's CPU time (a loaded machine's other
+    jobs preempt the wall clock, not this)."""
+
+    def timed() -> int:
+        start = time.process_time()
+        tokens = run()
+        state.setdefault(name, []).append(tokens / max(time.process_time() - start, 1e-9))
+        return tokens
+
+    return timed
 
 
 def _run(collector: TokenCollector, batches: int, state: dict):
     it = state.setdefault("it", iter(collector))
-    next(it)  # warm-up batch in the first round only matters little; every round counts its own batches
+    next(it)
 
     def run() -> int:
         tokens = 0
@@ -146,7 +159,7 @@ def _run(collector: TokenCollector, batches: int, state: dict):
             tokens += int(next(it)[keys.MASK].sum())
         return tokens
 
-    return run
+    return _cpu_timed(run, state, "cpu:collector")
 
 
 def _decode_share(collector: TokenCollector, batch) -> float:
@@ -170,16 +183,20 @@ def test_collector_ceiling(benchmark, case, interleaved, ceiling_table):
     state: dict = {}
     runs = {"collector": _run(collector, case.batches, state)}
     if case.source == "wave":
-        runs["floor"] = _floor(case)
+        runs["floor"] = _floor(case, state)
     rates = interleaved(runs, 3, benchmark)
     med = {n: statistics.median(v) for n, v in rates.items()}
     per_token = 1e6 / med["collector"]
     decode = _decode_share(collector, next(state["it"])) * 1e6
-    row = {"tokens_per_s": med["collector"], "us_per_token": per_token, "decode_share": decode / per_token}
+    cpu = statistics.median(state["cpu:collector"][1:])  # the warm-up call is left out
+    row = {"tokens_per_s": med["collector"], "us_per_token": per_token, "decode_share": decode / per_token,
+           "tokens_per_cpu_s": cpu, "us_per_token_cpu": 1e6 / cpu}  # fmt: skip
     if case.source == "step":
         row["us_per_env_step"] = per_token * case.B
+        row["us_per_env_step_cpu"] = 1e6 / cpu * case.B
     if "floor" in med:
         row["floor_tokens_per_s"] = med["floor"]
+        row["floor_tokens_per_cpu_s"] = statistics.median(state["cpu:floor"][1:])
         row["collector_over_floor"] = statistics.median(a / b for a, b in zip(rates["collector"], rates["floor"], strict=True))
     benchmark.extra_info.update(row)
     ceiling_table[case.name] = row

@@ -128,14 +128,15 @@ class TrajectoryRecorder:
             keep = torch.zeros(sel.shape[0], dtype=torch.bool)
             keep[rows] = True
             sel &= keep[:, None]
-            packed = self._packer.pack(chunk)
+            slots, cols = sel.nonzero(as_tuple=True)
+            # gather the live cells per key, then pack those: the interleaving copy runs over them only
+            packed = self._packer.pack(Step({name: v[slots, cols] for name, v in chunk.items()}))
             if self.store is None:
                 self._alloc(packed, sel.shape[0])
-            slots, cols = sel.nonzero(as_tuple=True)
             pos = chunk[F_RESP][slots, cols]
             dst = self.row_of_slot[slots]
             for dt, v in packed.items():
-                self.store.tensors[dt][dst, pos] = v[slots, cols]
+                self.store.tensors[dt][dst, pos] = v
             done = chunk[F_DONE].reshape(sel.shape)[slots, cols]
         if bool(done.any()):
             ended, lengths = slots[done], pos[done] + 1
@@ -223,7 +224,8 @@ class TrajectoryRecorder:
             if len(pieces) == 1 and first.shape[1] == width:
                 out[name] = first
                 continue
-            v = first.new_zeros(len(take), width, *first.shape[2:])
+            is_covered = all(flat[name].shape[1] == width for _, flat in pieces)  # every cell is written below
+            v = (first.new_empty if is_covered else first.new_zeros)(len(take), width, *first.shape[2:])
             for where, flat in pieces:
                 src = flat[name]
                 if len(pieces) == 1:
