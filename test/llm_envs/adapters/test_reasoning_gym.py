@@ -112,3 +112,17 @@ def test_gymnasium_id_and_pickling(tok):
     assert reward([f"<answer>{entry['answer']}</answer>"], ["q"], [{"entry": entry}]).tolist() == [1.0]
     built = pickle.loads(pickle.dumps(make_reasoning_gym_env("gcd", tokenizer=tok, size=4).reward_fn))
     assert built.spec.datasets == (("gcd", 1.0, {}),)
+
+
+@pytest.mark.parametrize("module, extra, make", [
+    ("reasoning_gym.factory", "reasoning-gym", lambda: ReasoningGymReward("gcd")),
+    ("textarena", "textarena", lambda: __import__("tokengym.llm_envs.adapters", fromlist=["x"]).TextArenaEnv("x")),
+    ("websockets.sync.client", "openenv", lambda: __import__("tokengym.llm_envs.adapters._ws", fromlist=["x"]).Session(
+        "ws://127.0.0.1:1/ws", timeout_s=1.0)),
+])  # fmt: skip
+def test_a_missing_package_names_its_extra(monkeypatch, module, extra, make):
+    import sys
+
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    with pytest.raises(ImportError, match=rf"pip install 'tokengym\[{extra}\]'"):
+        make()
