@@ -213,7 +213,7 @@ class TrajectoryRecorder:
                 m = mask[where] if len(parts) > 1 else mask
                 for v in packed.values():
                     v.masked_fill_(~m[:, : v.shape[1], None], 0)  # store rows hold older steps past the end
-                flat = self._packer.unpack(packed)
+                flat = self._packer.unpack(packed, clone=len(parts) == 1)  # several pieces: copied into place below
             elif rows == list(range(len(rows))) and len(rows) == next(iter(seg.tensors.values())).shape[0]:
                 flat = {name: v[:, :width] for name, v in seg.tensors.items()}  # the wave, as it is
             else:
