@@ -52,6 +52,8 @@ class RecipeConfig:
     """Iterations over which the learning rate rises linearly to ``lr``."""
     eval_every: int = 10
     """Greedy evaluation every this many iterations."""
+    temperature: float = 1.0
+    """Sampling temperature of the RL phase (the loss's actor uses the same, so the PPO ratio stays exact)."""
     seed: int = 0
     """Seed of the problems, the split, the model init and sampling."""
     task: str = "chain_sum"
@@ -72,6 +74,8 @@ class RecipeConfig:
             raise ValueError(f"held_out_fraction must be in (0, 1), got {self.held_out_fraction}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {sorted(TASKS)}, got {self.task!r}")
 
@@ -111,11 +115,11 @@ def build(config: RecipeConfig, model, tok, reward: ReasoningGymReward, train_pr
     env = TokenEnv(train_problems, tok, reward, batch_size=config.trajectories, max_new_tokens=config.max_new_tokens,
                    group_size=config.group_size, model_config=model.config, max_length=96, shuffle=True,
                    seed=config.seed)  # fmt: skip
-    policy = TransformersPolicy(model, env, sampling=SamplingConfig(temperature=1.0), seed=config.seed)
+    policy = TransformersPolicy(model, env, sampling=SamplingConfig(temperature=config.temperature), seed=config.seed)
     kl = KLRewardTransform(controller=AdaptiveKLController(0.02, target=2.0, horizon=2000), ref_model=ref,
                            estimator="k3", pad_id=tok.pad_token_id)  # fmt: skip
     collector = TokenCollector(env, policy, mode="trajectories", batch_size=config.trajectories, postproc=kl)
-    loss = ClipPPOLoss(SequenceActor(model, pad_token_id=tok.pad_token_id), critic_network=None,
+    loss = ClipPPOLoss(SequenceActor(model, pad_token_id=tok.pad_token_id, temperature=config.temperature), critic_network=None,
                        entropy_bonus=False, functional=False, clip_epsilon=0.2)  # fmt: skip
     optim = torch.optim.Adam(model.parameters(), lr=config.lr)
     return collector, loss, optim
