@@ -17,6 +17,7 @@ from tokengym.collectors import (
     TokenPolicy,
     TransformersPolicy,
     VLLMPolicy,
+    VLLMServerPolicy,
 )
 from tokengym.llm_envs import (
     MathAnswerReward,
@@ -58,6 +59,7 @@ __all__ = [
     "TransformersPolicy",
     "Turn",
     "VLLMPolicy",
+    "VLLMServerPolicy",
     "check_env",
     "keys",
     "to_padded",
