@@ -107,6 +107,11 @@ class MultiTurnTokenEnv(TokenEnv):
         # id, until a collector takes them (bounded: the oldest go first)
         self._finished: dict[int, torch.Tensor] = {}
         self.max_finished_sequences = 4096
+        # rendered feedback ids by (feedback, role), most recently used last (bounded): a task's feedback
+        # texts repeat, and rendering one costs a chat template call and an encode
+        self._rendered: dict[tuple[str, str], torch.Tensor] = {}
+        self.max_rendered = 1024
+        self._close = self.turn_close_ids.tolist()
 
     def config(self) -> dict:
         """The env's configuration as ``repr`` shows it (see :meth:`TokenEnv.config`), with the turn settings."""
@@ -117,7 +122,29 @@ class MultiTurnTokenEnv(TokenEnv):
 
     def render(self, feedback: str, role: str) -> torch.Tensor:
         """Token ids of a feedback message plus the generation prompt, as the chat template writes them
-        after an assistant turn (no default system prompt repeated); ``"\n{feedback}\n"`` without a template."""
+        after an assistant turn (no default system prompt repeated); ``"\n{feedback}\n"`` without a template.
+
+        Example:
+            >>> from tokengym.testing import tiny_tokenizer
+            >>> tok = tiny_tokenizer()
+            >>> env = MultiTurnTokenEnv(["1+1="], tok, lambda *a: [], batch_size=1, max_length=64)
+            >>> tok.decode(env.render("again", "user"))
+            '<|user|>again<|end|><|assistant|>'
+        """
+        return self._rendered_ids(feedback, role).clone()
+
+    def _rendered_ids(self, feedback: str, role: str) -> torch.Tensor:
+        """:meth:`render`'s ids from the cache (not to be written to), rendered on a miss."""
+        key = (feedback, role)
+        ids = self._rendered.pop(key, None)
+        if ids is None:
+            ids = self._render(feedback, role)
+            if len(self._rendered) >= self.max_rendered:
+                self._rendered.pop(next(iter(self._rendered)))  # the least recently used
+        self._rendered[key] = ids
+        return ids
+
+    def _render(self, feedback: str, role: str) -> torch.Tensor:
         tok = self.tokenizer
         if self._frame is not None:
             before = self._frame[0]
@@ -148,9 +175,11 @@ class MultiTurnTokenEnv(TokenEnv):
             >>> tok.decode(env.feedback_ids(torch.tensor([40]), "again", "user"))  # ended by a stop string
             '<|end|><|user|>again<|end|><|assistant|>'
         """
-        close, ended = self.turn_close_ids.tolist(), turn_ids.tolist()
+        close = self._close
+        ended = turn_ids[-len(close) :].tolist() if close else []  # only the turn's tail can overlap the close
         k = next((k for k in range(min(len(close), len(ended)), 0, -1) if ended[-k:] == close[:k]), 0)
-        return torch.cat([self.turn_close_ids[k:], self.render(feedback, role)])
+        rendered = self._rendered_ids(feedback, role)
+        return torch.cat([self.turn_close_ids[k:], rendered]) if k < len(close) else rendered.clone()
 
     def pop_finished_sequences(self) -> dict[int, torch.Tensor]:
         """Full token ids (prompt, turns, feedback) of the episodes finished since the last call, by trajectory id."""
@@ -163,21 +192,22 @@ class MultiTurnTokenEnv(TokenEnv):
         appended = self._answer_turns(ended | limited, limited, new_len, reward)
         terminated = ended.clone()
         truncated = limited & ~ended
-        for b, ids in appended.items():  # continuing slots: write the feedback after the model's tokens
-            terminated[b] = False
-            start = int(new_len[b])
-            self._tokens[b, start : start + len(ids)] = ids
+        if appended:  # continuing slots: write the feedback after the model's tokens
+            terminated[list(appended)] = False
+            ends = new_len.tolist()
+            for b, ids in appended.items():
+                self._tokens[b, ends[b] : ends[b] + len(ids)] = ids
         self._archive(terminated | truncated, new_len)
         return TurnEnd(terminated=terminated, truncated=truncated, reward=reward, appended=appended)
 
     def _answer_turns(self, finished, limited, new_len, reward) -> dict[int, torch.Tensor]:
         slots = finished.nonzero().squeeze(-1).tolist()
         s = self._rt.state
-        p_len = s[keys.PROMPT_LEN]
-        responses = self.decode_responses([self._tokens[b, int(p_len[b]) : int(new_len[b])] for b in slots])
+        starts, ends, all_turns = s[keys.PROMPT_LEN].tolist(), new_len.tolist(), s[keys.TURN].tolist()  # one read each
+        is_limited = limited.tolist()
+        responses = self.decode_responses([self._tokens[b, starts[b] : ends[b]] for b in slots])
         prompts = [self._prompts[b] for b in slots]
-        turns = [int(s[keys.TURN][b]) for b in slots]
-        starts = {b: int(p_len[b]) for b in slots}
+        turns = [all_turns[b] for b in slots]
         try:
             outcomes = list(self.turn_fn(responses, [p.text for p in prompts], [p.metadata for p in prompts], turns))
         except Exception as err:
@@ -195,20 +225,24 @@ class MultiTurnTokenEnv(TokenEnv):
             if value != value or value in (float("inf"), float("-inf")):
                 raise RewardFunctionError(f"turn_fn gave reward {value} for slot {b}; rewards must be finite")
             reward[b, 0] = value
-            if outcome.feedback is None or bool(limited[b]) or turn_index + 1 >= self.max_turns:
+            if outcome.feedback is None or is_limited[b] or turn_index + 1 >= self.max_turns:
                 continue
-            ids = self.feedback_ids(self._tokens[b, starts[b] : int(new_len[b])], outcome.feedback, outcome.role)
-            if int(new_len[b]) + len(ids) + 1 > self.max_length:
+            ids = self.feedback_ids(self._tokens[b, starts[b] : ends[b]], outcome.feedback, outcome.role)
+            if ends[b] + len(ids) + 1 > self.max_length:
                 continue  # the feedback does not fit: the episode ends here
             appended[b] = ids
         return appended
 
     def _archive(self, done: torch.Tensor, new_len: torch.Tensor) -> None:
-        traj = self._rt.state[keys.TRAJ_ID]
-        for b in done.nonzero().squeeze(-1).tolist():
+        slots = done.nonzero().squeeze(-1)
+        if not len(slots):
+            return
+        trajs, ends = self._rt.state[keys.TRAJ_ID][slots].tolist(), new_len[slots].tolist()
+        rows = self._tokens[slots, : max(ends)]  # one gather (a copy), then views of it
+        for i, (traj, end) in enumerate(zip(trajs, ends, strict=True)):
             if len(self._finished) >= self.max_finished_sequences:
                 self._finished.pop(next(iter(self._finished)))
-            self._finished[int(traj[b])] = self._tokens[b, : int(new_len[b])].clone()
+            self._finished[traj] = rows[i, :end]
 
     def _continue_turns(self, appended: dict[int, torch.Tensor], new_len: torch.Tensor) -> None:
         if not appended:
@@ -216,11 +250,12 @@ class MultiTurnTokenEnv(TokenEnv):
         s = self._rt.state
         s[keys.SEQ_LEN], s[keys.TOKEN] = s[keys.SEQ_LEN].clone(), s[keys.TOKEN].clone()
         s[keys.PROMPT_LEN], s[keys.TURN] = s[keys.PROMPT_LEN].clone(), s[keys.TURN].clone()
-        for b, ids in appended.items():
-            end = int(new_len[b]) + len(ids)
-            s[keys.SEQ_LEN][b] = end
-            s[keys.PROMPT_LEN][b] = end
-            s[keys.TOKEN][b] = ids[-1]
-            s[keys.TURN][b] += 1
-            self.turn_metrics["feedback_tokens"] += len(ids)
+        slots = torch.tensor(list(appended), dtype=torch.int64)
+        sizes = torch.tensor([len(ids) for ids in appended.values()], dtype=torch.int64)
+        end = new_len[slots] + sizes
+        s[keys.SEQ_LEN][slots] = end
+        s[keys.PROMPT_LEN][slots] = end
+        s[keys.TOKEN][slots] = torch.stack([ids[-1] for ids in appended.values()])
+        s[keys.TURN][slots] += 1
+        self.turn_metrics["feedback_tokens"] += int(sizes.sum())
         self.turn_metrics["turns"] += len(appended)
