@@ -66,6 +66,7 @@ class TrajectoryRecorder:
         self.row_of_slot: torch.Tensor | None = None  # (B,) the store row each slot writes into
         self.free: list[int] = []
         self._packer: Packer | None = None
+        self._id_columns: tuple | None = None  # where group and trajectory ids are in the store: (dtype, column) x 2
         self.ready: list[tuple] = []  # (segment, row, length, group, traj) of complete groups
         self.waiting: dict[int, list[tuple]] = {}  # group -> its finished trajectories so far
         self.counters = {"dropped_groups": 0, "dropped_trajectories": 0}
@@ -94,6 +95,8 @@ class TrajectoryRecorder:
 
     def _take_rows(self, n: int) -> torch.Tensor:
         """``n`` free rows of the store (it doubles when none are left)."""
+        if n == 1 and self.free:
+            return torch.tensor([self.free.pop(0)], dtype=torch.int64)
         if len(self.free) < n:
             size = next(iter(self.store.tensors.values())).shape[0]
             grow = max(size, n)
@@ -117,11 +120,10 @@ class TrajectoryRecorder:
             for dt, v in packed.items():
                 store = self.store.tensors[dt]
                 store.view(-1, store.shape[-1]).index_copy_(0, cell, v)
-            is_done = chunk[F_DONE].reshape(-1) & chunk[F_ACTIVE]
-            if not bool(is_done.any()):
-                return
-            slots = is_done.nonzero().squeeze(-1)
-            pos, done = pos[slots], torch.ones(len(slots), dtype=torch.bool)
+            slots = (chunk[F_DONE].reshape(-1) & chunk[F_ACTIVE]).nonzero().squeeze(-1)  # one sync: no any() first
+            if len(slots):
+                self._queue_finished(slots, pos[slots] + 1)
+            return
         else:
             # the rows' live cells, packed from the chunk as it is (no gather of the rows first)
             sel = chunk[F_ACTIVE].clone()
@@ -139,14 +141,18 @@ class TrajectoryRecorder:
                 self.store.tensors[dt][dst, pos] = v
             done = chunk[F_DONE].reshape(sel.shape)[slots, cols]
         if bool(done.any()):
-            ended, lengths = slots[done], pos[done] + 1
-            finished = self.row_of_slot[ended]
-            self.row_of_slot[ended] = self._take_rows(len(ended))  # the slots move on; the rows stay queued
-            g_dt, g_col = self._packer.column(F_GROUP)
-            t_dt, t_col = self._packer.column(F_TRAJ)
-            groups = self.store.tensors[g_dt][finished, 0, g_col]
-            trajs = self.store.tensors[t_dt][finished, 0, t_col]
-            self._finish(self.store, finished, lengths, groups, trajs)
+            self._queue_finished(slots[done], pos[done] + 1)
+
+    def _queue_finished(self, ended: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Queue the store rows of the slots ``ended`` (trajectories of ``lengths`` steps); the slots take free rows."""
+        finished = self.row_of_slot[ended]
+        self.row_of_slot[ended] = self._take_rows(len(ended))  # the slots move on; the rows stay queued
+        if self._id_columns is None:
+            self._id_columns = (self._packer.column(F_GROUP), self._packer.column(F_TRAJ))
+        (g_dt, g_col), (t_dt, t_col) = self._id_columns
+        groups = self.store.tensors[g_dt][finished, 0, g_col]
+        trajs = self.store.tensors[t_dt][finished, 0, t_col]
+        self._finish(self.store, finished, lengths, groups, trajs)
 
     def _finish(self, seg: _Segment, rows, lengths, groups, trajs) -> None:
         entries = zip([seg] * len(rows), rows.tolist(), lengths.tolist(), groups.tolist(), trajs.tolist(), strict=True)
@@ -267,7 +273,7 @@ class TrajectoryRecorder:
                 "num_ready": len(self.ready), "counters": dict(self.counters)}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        self.store, self.row_of_slot, self.free, self._packer = None, None, [], None
+        self.store, self.row_of_slot, self.free, self._packer, self._id_columns = None, None, [], None, None
         if state["live"] is not None:
             self._packer = Packer(state["live"])  # (B, T_max, ...) per key
             packed = self._packer.pack(state["live"])
