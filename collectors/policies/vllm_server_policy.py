@@ -41,6 +41,7 @@ __all__ = ["NoServerError", "ServerOptions", "VLLMServerPolicy"]
 _NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
             "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}  # fmt: skip
 _BANNED_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
+_MAX_STOP_STRINGS = 4  # the OpenAI completions API (and vLLM's) refuses more
 
 
 def _http():
@@ -118,12 +119,12 @@ class VLLMServerPolicy:
         check_greedy(self.sampling)
         self.seed, self.version, self.requests = seed, 0, 0
         self.is_unmodified = is_unmodified(self.sampling)
+        if self.options.transport is not None and not isinstance(self.options.transport, WeightTransport):
+            raise TypeError(f"options.transport must implement WeightTransport (publish, load_calls, close), got "
+                            f"{type(self.options.transport).__name__}")  # fmt: skip
         self.lock_dir = self.options.weights_dir or tempfile.mkdtemp(prefix="tokengym-fleet-")
+        Path(self.lock_dir).mkdir(parents=True, exist_ok=True)
         self.transport = self.options.transport or DirectoryTransport(self.options.weights_dir)
-        if not isinstance(self.transport, WeightTransport):
-            raise TypeError(
-                f"options.transport must implement WeightTransport, got {type(self.transport).__name__}"
-            )
         self.fleet_lock = FleetLock(self.lock_dir)
         self._httpx, fleet_class, self._checks = _http()
         self.fleet = fleet_class(urls, options=self.options)
@@ -173,11 +174,12 @@ class VLLMServerPolicy:
         n = len(request)
         if n == 0:
             return empty_result(self.is_unmodified, self.version)
-        budgets = check_budgets(request, self.max_model_len, where="the vLLM servers")
+        budgets = check_budgets(request, self.max_model_len, where="the vLLM server")
         seeds = request_seeds(self.seed, self.requests, n, greedy=self.sampling.greedy)
         base = dict(self._base, stop_token_ids=list(request.eos_token_ids))
         if request.stop_strings and self.can_stop_strings:
-            base["stop"] = list(request.stop_strings)
+            # the API takes at most 4; any subset is safe: the env cuts every turn at its first stop string
+            base["stop"] = list(request.stop_strings[:_MAX_STOP_STRINGS])
         payloads = [dict(base, prompt=p.tolist(), max_tokens=m, seed=s)
                     for p, m, s in zip(request.prompts, budgets, seeds, strict=True)]  # fmt: skip
         with self._thread_lock, self.fleet_lock.shared() as (fleet_version, _):
@@ -219,13 +221,23 @@ class VLLMServerPolicy:
         self._check_open()
         with self._thread_lock:
             items = None if weights is None else self._weight_items(weights)
-            new = self.version + 1
-            with self.fleet_lock.exclusive() as (fleet_version, _):
-                if fleet_version < new:  # else a process sharing these servers loaded this version already
-                    handle = self.transport.publish(items, new) if items is not None else self._checkpoint()
-                    self.fleet.run(self._load_all(handle, new))
-                    self.fleet_lock.write(new, handle)
-            self.version = new
+            old = self.version
+            # the new version is visible at once (no wave can start before the reload ends: the lock is held):
+            # a collector computing the version a queued update will give reads it while the reload runs
+            self.version = new = old + 1
+            try:
+                with self.fleet_lock.exclusive() as (fleet_version, _):
+                    if (
+                        fleet_version < new
+                    ):  # else a process sharing these servers loaded this version already
+                        handle = (
+                            self.transport.publish(items, new) if items is not None else self._checkpoint()
+                        )
+                        self.fleet.run(self._load_all(handle, new))
+                        self.fleet_lock.write(new, handle)
+            except BaseException:
+                self.version = old
+                raise
         return self.version
 
     def _checkpoint(self) -> str:
@@ -249,7 +261,22 @@ class VLLMServerPolicy:
     async def _load_one(self, server, handle: str) -> None:
         for path, body in self.transport.load_calls(handle):
             await self.fleet.call(server, "POST", path, body)
-        await self.fleet.call(server, "POST", "/reset_prefix_cache")
+        await self._reset_prefix_cache(server)
+
+    async def _reset_prefix_cache(self, server) -> None:
+        """Drop every cached prefix (KV computed under the old weights would be reused otherwise).
+
+        The server refuses while blocks are still held (a request that just finished, one still running
+        for another client): retry for up to a second, then preempt running requests."""
+        for attempt in range(51):
+            query = "?reset_running_requests=true" if attempt == 50 else ""
+            answer = await self.fleet.call(server, "POST", "/reset_prefix_cache" + query)
+            if answer is None or answer.get("success", True):
+                return
+            await asyncio.sleep(0.02)
+        raise OSError(
+            f"{server.url} did not reset its prefix cache after new weights (it answered success=false)"
+        )
 
     async def _load_all(self, handle: str, version: int) -> None:
         async def load(server):

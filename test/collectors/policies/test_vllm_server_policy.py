@@ -6,6 +6,7 @@ embedding), so both compute the same function until a test pushes other weights 
 The tests that stop or kill a server run last. Servers are stopped by process group at the end.
 """
 
+import itertools
 import os
 import signal
 import threading
@@ -32,7 +33,7 @@ from tokengym.collectors.policies import NoServerError
 from tokengym.collectors.policies._server_checks import check_server
 from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies.vllm_server import free_port
-from tokengym.llm_envs import TokenEnv, keys
+from tokengym.llm_envs import MultiTurnTokenEnv, TokenEnv, Turn, keys
 from tokengym.testing import tiny_tokenizer
 
 PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]
@@ -266,6 +267,40 @@ def test_ray_workers_share_servers(fleet, make_vllm_model, tmp_path):
             ray.shutdown()
         fleet.restore(0)
         fleet.restore(1)
+
+
+def test_a_multi_turn_trajectory_stays_on_its_server(fleet):
+    """Each turn of a trajectory goes to the server of its first turn (its prefix is cached there)."""
+
+    class RecordingPolicy(VLLMServerPolicy):
+        routes: list = []
+
+        def generate(self, request):
+            result = super().generate(request)
+            self.routes.append({key: server.url for key, server in self.fleet.sticky.items()})
+            return result
+
+    def turns(responses, prompts, metadata, turn):
+        return [Turn(0.0, "try again" if t < 2 else None) for t in turn]
+
+    env = MultiTurnTokenEnv(PROMPTS, fleet.tok, turns, max_turns=3, batch_size=4, max_new_tokens=24, max_length=96,
+                            eos_token_ids=EOS_IDS, stop_strings=tuple("?:hieaot"), model_config=fleet.tied.config)  # fmt: skip
+    policy = RecordingPolicy(fleet.urls, env, seed=4)
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=4, source="wave")
+    try:
+        batch = next(iter(collector))
+        assert int(batch[keys.TURN].max()) == 2
+    finally:
+        collector.shutdown()
+    routes = policy.routes
+    assert len(set().union(*(r.values() for r in routes))) == 2  # both servers took trajectories
+    continued = [
+        (before, after, key)
+        for before, after in itertools.pairwise(routes)
+        for key in before.keys() & after.keys()
+    ]
+    assert len(continued) >= 4
+    assert all(before[key] == after[key] for before, after, key in continued)
 
 
 # -- bad input --
