@@ -32,6 +32,14 @@ def chunk_width(chunk: dict) -> int:
     return 1 if isinstance(chunk, Step) else next(iter(chunk.values())).shape[1]
 
 
+def _stack_t(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(tensors).T
+
+
+def _cat1(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(tensors, 1)
+
+
 class Packer:
     """Packs a step's tensors into one tensor per dtype, so a chunk is written with a few copies."""
 
@@ -42,11 +50,15 @@ class Packer:
             self.groups.setdefault(v.dtype, []).append((name, tuple(v.shape[lead:])))
         # a step packs with one column_stack per dtype when every tensor is (B,) or (B, n)
         self.is_flat = all(len(trailing) <= 1 for names in self.groups.values() for _, trailing in names)
+        # how a step packs per dtype, cheaper than column_stack's per-tensor reshape when the shapes allow it: all
+        # (B,): stacked as rows, then transposed; all (B, 1): concatenated as columns
+        self._step_pack = {dtype: _stack_t if all(not t for _, t in names) else _cat1 if all(t == (1,) for _, t in names)
+                           else torch.column_stack for dtype, names in self.groups.items()}  # fmt: skip
 
     def pack(self, flat: dict, lead: int | None = None) -> dict[torch.dtype, torch.Tensor]:
         """One tensor per dtype: (B, n) for a :class:`Step`, (B, k, n) for a chunk (``lead`` leading dims)."""
         if isinstance(flat, Step) and self.is_flat:
-            return {dtype: torch.column_stack([flat[name] for name, _ in names]) for dtype, names in self.groups.items()}
+            return {dtype: self._step_pack[dtype]([flat[name] for name, _ in names]) for dtype, names in self.groups.items()}
         lead = next(iter(flat.values())).shape[: lead or (1 if isinstance(flat, Step) else 2)]
         return {dtype: torch.cat([flat[name].reshape(*lead, -1) for name, _ in names], dim=-1)
                 for dtype, names in self.groups.items()}  # fmt: skip

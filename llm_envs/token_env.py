@@ -374,7 +374,7 @@ class TokenEnv(EnvBase):
             except PromptError as err:
                 err.step = tensordict  # the step itself succeeded: the caller records it
                 raise
-        return tensordict, self._observation(nxt.get(keys.DONE[1]), nxt.get(keys.TERMINATED[1]), nxt.get(keys.TRUNCATED[1]))
+        return tensordict, self._observation(*self._rt.flags)  # the step's flags, as "next" holds them
 
     def _check_action(self, action) -> torch.Tensor:
         if not isinstance(action, torch.Tensor):
@@ -395,6 +395,7 @@ class TokenEnv(EnvBase):
         if not bool((ended | limited).any()):  # the common step: no turn ends, nothing to score
             flags = torch.zeros(3, B, 1, dtype=torch.bool).unbind(0)
             self._commit(action, active, new_len, resp_len, flags[0].view(B), any_done=False)
+            self._rt.flags = flags
             return self._observation(*flags, torch.zeros(B, 1))
         try:
             end = self._end_turns(ended, limited, new_len)
@@ -404,8 +405,8 @@ class TokenEnv(EnvBase):
         done = end.terminated | end.truncated
         self._commit(action, active, new_len, resp_len, done, any_done=bool(done.any()))
         self._continue_turns(end.appended, new_len)
-        return self._observation(done.unsqueeze(-1), end.terminated.unsqueeze(-1), end.truncated.unsqueeze(-1),
-                                 end.reward)  # fmt: skip
+        self._rt.flags = (done.unsqueeze(-1), end.terminated.unsqueeze(-1), end.truncated.unsqueeze(-1))
+        return self._observation(*self._rt.flags, end.reward)
 
     def _advance(self, tensordict: TensorDictBase):
         """Validate the action, write it into the token buffer and find the slots whose turn ended.
@@ -546,4 +547,5 @@ class _Runtime:
         self.done = torch.zeros(0, dtype=torch.bool)
         self.is_reset = False
         self.any_done = False  # True while a slot is done and not refilled: kept with ``done``
+        self.flags: tuple = ()  # (done, terminated, truncated) (B, 1) of the last step, as its "next" holds them
         self.next_traj = 0
