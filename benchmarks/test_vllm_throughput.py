@@ -32,7 +32,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
-from tokengym.collectors.vllm_policy import VLLMPolicy
+from tokengym.collectors.policies.vllm_policy import VLLMPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_tokenizer
 
