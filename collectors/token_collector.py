@@ -131,6 +131,7 @@ class TokenCollector:
         self.pending: dict | None = None  # steps of a wave that did not fit into the last batch
         self._lock = threading.Lock()
         self._queued_weights: list = []  # weight updates asked for while collecting (another thread)
+        self._asked_version = policy.version  # the version the last update asked for will give
         self._collect_thread: int | None = None  # the thread iterating this collector
         self.num_threads = torch.get_num_threads()
         self.counters = {"dropped_tokens": 0, "weight_updates": 0, "failed_prompts": 0}
@@ -282,7 +283,10 @@ class TokenCollector:
             weights = policy_or_weights
         with self._lock:
             self._queued_weights.append(weights)
-            expected = self.policy.version + len(self._queued_weights)
+            # counted from the last version asked for, not from the queue: an update being applied has left
+            # the queue before the policy's version moves
+            self._asked_version = max(self._asked_version, self.policy.version) + 1
+            expected = self._asked_version
         if self._collect_thread is None or threading.get_ident() == self._collect_thread:
             self._apply_queued_weights()
         return expected

@@ -174,3 +174,33 @@ def test_bad_arguments(make_env, make_policy, model):
         TokenCollector("env", policy, mode="steps", batch_size=2)
     with pytest.raises(TypeError, match=r"postproc must be callable on a TensorDict"):
         TokenCollector(env, policy, mode="steps", batch_size=2, postproc=3)
+
+
+def test_update_asked_while_another_is_being_applied_gets_the_next_version(make_env, make_policy):
+    """The version update_policy_weights_ returns counts an update that is being applied in the collecting
+    thread (it has left the queue, the policy's version has not moved yet)."""
+    import threading
+
+    env = make_env()
+    policy = make_policy(env)
+    collector = TokenCollector(env, policy, mode="steps", batch_size=2, total_steps=4)
+    entered, release = threading.Event(), threading.Event()
+    update = policy.update_weights
+
+    def slow_update(weights=None):
+        entered.set()
+        release.wait(10)
+        update(weights)
+
+    policy.update_weights = slow_update
+    v0 = policy.version
+    collector._collect_thread = -1  # as if another thread iterated: updates are queued, not applied here
+    assert collector.update_policy_weights_() == v0 + 1
+    applier = threading.Thread(target=collector._apply_queued_weights)
+    applier.start()
+    assert entered.wait(10)
+    assert collector.update_policy_weights_() == v0 + 2  # the first is still being applied
+    release.set()
+    applier.join()
+    collector._apply_queued_weights()
+    assert policy.version == v0 + 2
