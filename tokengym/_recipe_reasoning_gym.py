@@ -42,25 +42,31 @@ class RecipeConfig:
     """Samples per prompt for the group-relative advantage."""
     lr: float = 1e-4
     """Adam learning rate of the RL phase."""
+    epochs: int = 2
+    """Optimizer steps on each collected batch."""
     max_new_tokens: int = 12
     """Response budget (tokens)."""
     held_out_fraction: float = 0.2
     """Fraction of the distinct problems held out (never trained on)."""
     warm_start_steps: int = 300
     """Supervised steps on the training problems before RL (the answer format and part of the table)."""
+    warm_start_fraction: float = 1.0
+    """Fraction of the training problems the warm start sees; GRPO trains on all of them."""
     warmup_iterations: int = 5
     """Iterations over which the learning rate rises linearly to ``lr``."""
     eval_every: int = 10
     """Greedy evaluation every this many iterations."""
     temperature: float = 1.0
     """Sampling temperature of the RL phase (the loss's actor uses the same, so the PPO ratio stays exact)."""
+    model_size: str = "tiny"
+    """``tiny`` (2 layers x 64) or ``small`` (4 layers x 256), from :mod:`tokengym.testing`."""
     seed: int = 0
     """Seed of the problems, the split, the model init and sampling."""
     task: str = "chain_sum"
     """The reasoning-gym dataset: chain_sum (two one-digit terms, + or -) or basic_arithmetic (a + b, one digit)."""
 
     def __post_init__(self) -> None:
-        for name in ("iterations", "trajectories", "group_size", "max_new_tokens", "eval_every", "warmup_iterations"):
+        for name in ("iterations", "epochs", "trajectories", "group_size", "max_new_tokens", "eval_every", "warmup_iterations"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -70,12 +76,16 @@ class RecipeConfig:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.trajectories % self.group_size:
             raise ValueError(f"trajectories ({self.trajectories}) must be a multiple of group_size ({self.group_size})")
+        if not 0 < self.warm_start_fraction <= 1:
+            raise ValueError(f"warm_start_fraction must be in (0, 1], got {self.warm_start_fraction}")
         if not 0 < self.held_out_fraction < 1:
             raise ValueError(f"held_out_fraction must be in (0, 1), got {self.held_out_fraction}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.model_size not in ("tiny", "small"):
+            raise ValueError(f"model_size must be 'tiny' or 'small', got {self.model_size!r}")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {sorted(TASKS)}, got {self.task!r}")
 
@@ -134,8 +144,8 @@ def train(config: RecipeConfig, *, log=print) -> list[dict]:
     log(f"reasoning-gym {config.task} {TASKS[config.task]}: {len(train_problems)} training problems, {len(held_out)} held out "
         f"(never trained on); warm start {config.warm_start_steps} supervised steps")  # fmt: skip
     torch.manual_seed(config.seed)
-    tok = tiny_tokenizer()
-    model = tiny_model(tok, seed=config.seed)
+    tok = tiny_tokenizer(512 if config.model_size == "tiny" else 2048)
+    model = tiny_model(tok, size=config.model_size, seed=config.seed)
     reward = ReasoningGymReward(spec)
     evals: list[dict] = []
 
@@ -147,6 +157,7 @@ def train(config: RecipeConfig, *, log=print) -> list[dict]:
     e = evaluate("init")
     log(f"random init: greedy accuracy training {e['train']:.3f}, held-out {e['held_out']:.3f}")
     targets = [{"prompt": p["prompt"], "answer": f"<answer>{p['answer']}</answer>"} for p in train_problems]
+    targets = targets[: max(1, round(len(targets) * config.warm_start_fraction))]
     warm_start(model, tok, targets, config.warm_start_steps)  # the training problems only
     e = evaluate("warm start")
     log(f"after the warm start: greedy accuracy training {e['train']:.3f}, held-out {e['held_out']:.3f}")
@@ -158,7 +169,7 @@ def train(config: RecipeConfig, *, log=print) -> list[dict]:
     for i, batch in enumerate(collector):
         batch = advantage(batch)
         model.train()
-        for _ in range(2):
+        for _ in range(config.epochs):
             out = loss(batch)
             optim.zero_grad()
             out["loss_objective"].backward()

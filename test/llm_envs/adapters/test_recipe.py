@@ -25,3 +25,9 @@ def test_bad_flags():
         cli(["recipe-reasoning-gym", "--task", "sudoku"])
     with pytest.raises(ValueError, match="trajectories .* must be a multiple of group_size"):
         RecipeConfig(trajectories=10, group_size=4)
+    with pytest.raises(ValueError, match="warm_start_fraction must be in"):
+        RecipeConfig(warm_start_fraction=0.0)
+    with pytest.raises(ValueError, match="model_size must be"):
+        RecipeConfig(model_size="huge")
+    with pytest.raises(ValueError, match="epochs must be a positive int"):
+        RecipeConfig(epochs=0)
