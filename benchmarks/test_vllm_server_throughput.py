@@ -159,7 +159,7 @@ def _http_direct(tok, model, server, engine, B, closers: list):
 async def _client():
     import httpx
 
-    return httpx.AsyncClient(timeout=600.0, limits=httpx.Limits(max_connections=None))
+    return httpx.AsyncClient(timeout=600.0, limits=httpx.Limits(max_connections=None, keepalive_expiry=2.0))  # as the policy
 
 
 def _server_policy(tok, model, server, engine, B, closers: list, client_s: list):

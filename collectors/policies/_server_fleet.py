@@ -74,9 +74,10 @@ class ServerFleet:
     async def _make_client(self) -> httpx.AsyncClient:
         o = self.options
         timeout = httpx.Timeout(o.control_timeout_s, connect=o.connect_timeout_s)
-        return httpx.AsyncClient(
-            timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        )
+        # idle connections expire before the server's keep-alive timeout (uvicorn: 5 s), so a request never
+        # goes out on a connection the server is closing (a ReadError that would mark a healthy server down)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=2.0)
+        return httpx.AsyncClient(timeout=timeout, limits=limits)
 
     def run(self, coro):
         """Run ``coro`` on the fleet's loop and return its result (from any thread but the loop's)."""
