@@ -10,13 +10,12 @@ import sys
 import pytest
 import torch
 from tensordict import TensorDict
-from transformers import GPT2LMHeadModel, Qwen2ForCausalLM
 
 from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
 from tokengym.collectors.policies.vllm_policy import VLLMPolicy
 from tokengym.llm_envs import MultiTurnTokenEnv, PromptTable, TokenEnv, Turn, keys
 from tokengym.llm_envs.waves import WaveRequest
-from tokengym.testing import tiny_model, tiny_tokenizer
+from tokengym.testing import tiny_tokenizer
 from tokengym.transforms.layouts import to_packed, to_padded
 
 PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]
@@ -25,25 +24,13 @@ ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 24, "max_model_le
 GREEDY = SamplingConfig(greedy=True)
 
 
-def _model(tokenizer, family: str, *, tie: bool, seed: int = 0):
-    config = tiny_model(tokenizer, family=family).config
-    if family == "qwen2":
-        config.num_attention_heads, config.num_key_value_heads = 2, 1
-    else:
-        config.n_head = 2
-    config.tie_word_embeddings = tie
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = (Qwen2ForCausalLM if family == "qwen2" else GPT2LMHeadModel)(config)
-    return model.eval()
-
-
 class Engine:
     """A model, its directory and one running engine (owned by ``owner``); ``policy`` borrows it."""
 
-    def __init__(self, tokenizer, family, tie, path):
+    def __init__(self, tokenizer, family, tie, path, make_model, teacher_forced):
         self.tokenizer, self.family, self.tie, self.path = tokenizer, family, tie, path
-        self.model = _model(tokenizer, family, tie=tie)
+        self.make_model, self.teacher_forced = make_model, teacher_forced  # the conftest helpers
+        self.model = make_model(tokenizer, family, tie=tie)
         self.model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         self.owner = VLLMPolicy(str(path), self.env(), engine_kwargs=ENGINE)
@@ -65,15 +52,15 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def qwen2(tok, tmp_path_factory):
-    engine = Engine(tok, "qwen2", True, tmp_path_factory.mktemp("qwen2_tied"))
+def qwen2(tok, tmp_path_factory, make_vllm_model, teacher_forcing):
+    engine = Engine(tok, "qwen2", True, tmp_path_factory.mktemp("qwen2_tied"), make_vllm_model, teacher_forcing)
     yield engine
     engine.owner.close()
 
 
 @pytest.fixture(scope="module")
-def gpt2(tok, tmp_path_factory):
-    engine = Engine(tok, "gpt2", False, tmp_path_factory.mktemp("gpt2_untied"))
+def gpt2(tok, tmp_path_factory, make_vllm_model, teacher_forcing):
+    engine = Engine(tok, "gpt2", False, tmp_path_factory.mktemp("gpt2_untied"), make_vllm_model, teacher_forcing)
     yield engine
     engine.owner.close()
 
@@ -81,23 +68,6 @@ def gpt2(tok, tmp_path_factory):
 @pytest.fixture(params=["qwen2-tied", "gpt2-untied"])
 def engine(request):
     return request.getfixturevalue(request.param.split("-")[0])
-
-
-def _teacher_forced(model, prompt, actions, sampling=None):
-    """Log-probs (T,) of ``actions`` after ``prompt`` under ``model``, filtered as ``sampling`` says."""
-    with torch.no_grad():
-        logits = model(torch.cat([prompt, actions])[None]).logits[0, len(prompt) - 1 : -1]  # (T, V)
-    if sampling is not None:
-        logits = logits / sampling.temperature
-        logits[:, list(sampling.banned_token_ids)] = -float("inf")
-        if sampling.top_k:
-            kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, -float("inf"))
-        if sampling.top_p < 1:  # drop a token once the mass before it reaches top_p
-            probs, order = logits.softmax(-1).sort(-1, descending=True)
-            drop_sorted = probs.cumsum(-1) - probs >= sampling.top_p
-            logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), -float("inf"))
-    return logits.log_softmax(-1).gather(-1, actions[:, None]).squeeze(-1)
 
 
 def _first_trajectories(collector, n):
@@ -187,7 +157,7 @@ def test_sampled_log_probs_equal_teacher_forced_forward(qwen2):
     assert torch.equal(result.raw_log_probs, result.log_probs)
     for i, prompt in enumerate(request.prompts):
         n = int(result.lengths[i])
-        expected = _teacher_forced(qwen2.model, prompt, result.actions[i, :n])
+        expected = qwen2.teacher_forced(qwen2.model, prompt, result.actions[i, :n])
         torch.testing.assert_close(result.raw_log_probs[i, :n], expected, atol=1e-4, rtol=0)
 
 
@@ -203,7 +173,7 @@ def test_modified_sampling_reports_the_sampled_distribution(qwen2, sampling):
     for i, prompt in enumerate(request.prompts):
         n = int(result.lengths[i])
         assert not bool(torch.isin(result.actions[i, :n], torch.tensor(sampling.banned_token_ids, dtype=torch.int64)).any())
-        expected = _teacher_forced(qwen2.model, prompt, result.actions[i, :n], sampling)
+        expected = qwen2.teacher_forced(qwen2.model, prompt, result.actions[i, :n], sampling)
         torch.testing.assert_close(result.log_probs[i, :n], expected, atol=1e-4, rtol=0)
 
 
@@ -248,7 +218,7 @@ def test_collector_resumes_from_a_checkpoint(qwen2):
 def test_update_weights_moves_the_engine_to_the_new_weights(engine):
     env = engine.env(max_new_tokens=8)
     policy = engine.policy(env, seed=1)
-    new = _model(engine.tokenizer, engine.family, tie=engine.tie, seed=1)
+    new = engine.make_model(engine.tokenizer, engine.family, tie=engine.tie, seed=1)
     assert engine.tie == (new.lm_head.weight is new.get_input_embeddings().weight)
     try:
         for weights in (new.state_dict(), TensorDict.from_module(new)):
@@ -260,7 +230,7 @@ def test_update_weights_moves_the_engine_to_the_new_weights(engine):
             assert result.version == version + 1
             for i, prompt in enumerate(request.prompts):
                 n = int(result.lengths[i])
-                expected = _teacher_forced(new, prompt, result.actions[i, :n])
+                expected = engine.teacher_forced(new, prompt, result.actions[i, :n])
                 torch.testing.assert_close(result.log_probs[i, :n], expected, atol=1e-4, rtol=0)
     finally:
         engine.restore()
@@ -269,7 +239,7 @@ def test_update_weights_moves_the_engine_to_the_new_weights(engine):
 def test_tied_output_layer_is_sent_when_the_state_dict_lacks_it(qwen2, tmp_path):
     """save_pretrained drops lm_head.weight of a tied model; without it the engine's output layer
     would stay stale with no error."""
-    new = _model(qwen2.tokenizer, "qwen2", tie=True, seed=2)
+    new = qwen2.make_model(qwen2.tokenizer, "qwen2", tie=True, seed=2)
     weights = {k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}
     env = qwen2.env(max_new_tokens=6)
     policy = qwen2.policy(env)
@@ -278,14 +248,14 @@ def test_tied_output_layer_is_sent_when_the_state_dict_lacks_it(qwen2, tmp_path)
         env.reset()
         request = env.wave_request()
         result = policy.generate(request)
-        expected = _teacher_forced(new, request.prompts[0], result.actions[0, : int(result.lengths[0])])
+        expected = qwen2.teacher_forced(new, request.prompts[0], result.actions[0, : int(result.lengths[0])])
         torch.testing.assert_close(result.log_probs[0, : int(result.lengths[0])], expected, atol=1e-4, rtol=0)
     finally:
         qwen2.restore()
 
 
 def test_update_weights_without_weights_reloads_the_directory(gpt2, tmp_path):
-    new = _model(gpt2.tokenizer, "gpt2", tie=False, seed=3)
+    new = gpt2.make_model(gpt2.tokenizer, "gpt2", tie=False, seed=3)
     env = gpt2.env(max_new_tokens=6)
     try:
         new.save_pretrained(gpt2.path)
@@ -293,7 +263,7 @@ def test_update_weights_without_weights_reloads_the_directory(gpt2, tmp_path):
         env.reset()
         request = env.wave_request()
         result = gpt2.policy(env).generate(request)
-        expected = _teacher_forced(new, request.prompts[0], result.actions[0, : int(result.lengths[0])])
+        expected = gpt2.teacher_forced(new, request.prompts[0], result.actions[0, : int(result.lengths[0])])
         torch.testing.assert_close(result.log_probs[0, : int(result.lengths[0])], expected, atol=1e-4, rtol=0)
     finally:
         gpt2.model.save_pretrained(gpt2.path)
