@@ -101,6 +101,19 @@ def _trl_table(write) -> None:
         write(f"reward curve, {name}: " + " ".join(f"{x:.2f}" for x in r["rewards"]))
 
 
+@pytest.fixture(scope="session")
+def write_uncaptured(request):
+    """``write_uncaptured(write_table)``: call ``write_table(write_line)`` with pytest's capture lifted, for a
+    module that prints its table in a fixture's teardown (after closing engines that must not outlive it)."""
+
+    def write(write_table) -> None:
+        plugins = request.config.pluginmanager
+        with plugins.getplugin("capturemanager").global_and_fixture_disabled():
+            write_table(plugins.getplugin("terminalreporter").write_line)
+
+    return write
+
+
 def pytest_terminal_summary(terminalreporter):
     write = terminalreporter.write_line
     if _THROUGHPUT:

@@ -206,7 +206,7 @@ def _median(values) -> float:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _table(request):
+def _table(write_uncaptured):
     """Stop the servers and engines, then print the table (lifted out of pytest's capture)."""
     yield
     for _, _, server, engine in _MODELS.values():
@@ -214,8 +214,7 @@ def _table(request):
         server.stop()
         server.log_path.unlink(missing_ok=True)
     if _TABLE:
-        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-            _write_table(request.config.pluginmanager.getplugin("terminalreporter").write_line)
+        write_uncaptured(_write_table)
 
 
 def _write_table(write) -> None:

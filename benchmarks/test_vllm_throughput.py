@@ -174,14 +174,13 @@ def _median(values) -> float:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _table(request):
+def _table(write_uncaptured):
     """Close the engines, then print the table (pytest captures output during teardown: lifted here)."""
     yield
     for _, _, owner in _ENGINES.values():
         owner.close()
     if _TABLE:
-        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-            _write_table(request.config.pluginmanager.getplugin("terminalreporter").write_line)
+        write_uncaptured(_write_table)
 
 
 def _write_table(write) -> None:
