@@ -17,7 +17,7 @@ tok = tiny_tokenizer()
 model = tiny_model(tok)
 # the reset observation is the prompt; each finished turn is sent as the action's text field (found
 # from the server's /schema, or action_field="..."); the step's reward and observation come back
-env = make_openenv_env(args.url, tok, batch_size=4, max_turns=3, max_new_tokens=40, max_length=256,
+env = make_openenv_env(args.url, tok, batch_size=4, max_turns=3, max_turn_tokens=13, max_new_tokens=40, max_length=256,
                        eos_token_ids=list(range(1, len(tok), 7)), model_config=model.config)  # fmt: skip
 collector = TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=4)
 batch = next(iter(collector))

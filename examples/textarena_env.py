@@ -30,9 +30,9 @@ class Countdown:
 
 
 for name, env in [
-    (args.game, make_textarena_env(args.game, tok, batch_size=4, max_turns=4, max_new_tokens=48, max_length=1024,
+    (args.game, make_textarena_env(args.game, tok, batch_size=4, max_turns=4, max_turn_tokens=12, max_new_tokens=48, max_length=1024,
                                    eos_token_ids=END_IDS, model_config=model.config)),
-    ("Countdown", make_text_env(Countdown, tok, batch_size=4, max_turns=4, max_new_tokens=48, max_length=256,
+    ("Countdown", make_text_env(Countdown, tok, batch_size=4, max_turns=4, max_turn_tokens=12, max_new_tokens=48, max_length=256,
                                 eos_token_ids=END_IDS, model_config=model.config)),
 ]:  # fmt: skip
     collector = TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=4)

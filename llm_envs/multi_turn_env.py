@@ -66,7 +66,9 @@ class MultiTurnTokenEnv(TokenEnv):
     ``eos_token_ids`` is given) or a stop string. No step is emitted for the env's tokens, ``turn``
     increases, ``prompt_len`` moves to the start of the new turn and ``seq_len`` jumps, so a
     KV-cached policy prefills just the appended tokens. Token ids the model produced are kept as
-    they were. Budget and context limits truncate the episode (its last turn is still scored).
+    they were. ``max_new_tokens`` counts the episode's generated tokens (all turns) and ``max_turn_tokens``
+    each turn's: a turn cut by the turn limit is answered as any finished turn (the episode goes on), the
+    episode budget and the context limit truncate the episode (its last turn is still scored).
 
     Args:
         prompts: as for :class:`TokenEnv`.
@@ -186,14 +188,18 @@ class MultiTurnTokenEnv(TokenEnv):
         out, self._finished = self._finished, {}
         return out
 
-    def _end_turns(self, ended: torch.Tensor, limited: torch.Tensor, new_len: torch.Tensor) -> TurnEnd:
-        """Score every ended turn, write the feedback of continuing slots after the model's tokens."""
+    def _end_turns(self, ended: torch.Tensor, limited: torch.Tensor, new_len: torch.Tensor, cut: torch.Tensor) -> TurnEnd:
+        """Score every ended turn, write the feedback of continuing slots after the model's tokens.
+
+        A turn cut by ``max_turn_tokens`` is answered as any finished turn; if the episode ends with it, the
+        episode is truncated."""
         reward = torch.zeros(self.batch_size[0], 1)
-        appended = self._answer_turns(ended | limited, limited, new_len, reward)
+        appended = self._answer_turns(ended | limited | cut, limited, new_len, reward)
         terminated = ended.clone()
-        truncated = limited & ~ended
+        truncated = (limited | cut) & ~ended
         if appended:  # continuing slots: write the feedback after the model's tokens
             terminated[list(appended)] = False
+            truncated[list(appended)] = False
             ends = new_len.tolist()
             for b, ids in appended.items():
                 self._tokens[b, ends[b] : ends[b] + len(ids)] = ids

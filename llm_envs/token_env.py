@@ -47,7 +47,10 @@ class TokenEnv(EnvBase):
             function ``f(prompts, completions, **columns)`` (detected by its ``completions`` parameter and
             called as TRL calls it, see :mod:`~tokengym.llm_envs.trl_rewards`), or ``None``.
         batch_size: number of parallel slots ``B``.
-        max_new_tokens: response budget per trajectory (``truncated`` when reached).
+        max_new_tokens: generated tokens per trajectory, all its turns together (``truncated`` when reached).
+        max_turn_tokens: generated tokens per turn (TRL's per-generation ``max_completion_length``); a turn
+            that reaches it ends there: a single-turn trajectory is ``truncated``, a multi-turn episode goes on
+            to its next turn (the env answers it as any finished turn). ``None`` (default): no per-turn limit.
         group_size: samples per prompt; they share ``group_id`` (TRL's ``num_generations``, verl's ``rollout.n``).
         max_length: capacity of a sequence (prompt + response), e.g. the model's context limit;
             defaults to ``model_config``'s limit or the tokenizer's.
@@ -79,6 +82,7 @@ class TokenEnv(EnvBase):
         *,
         batch_size: int = 8,
         max_new_tokens: int = 64,
+        max_turn_tokens: int | None = None,
         group_size: int = 1,
         max_length: int | None = None,
         stop_strings: Sequence[str] = (),
@@ -90,6 +94,8 @@ class TokenEnv(EnvBase):
     ) -> None:
         check_int("batch_size", batch_size)
         check_int("max_new_tokens", max_new_tokens)
+        if max_turn_tokens is not None:
+            check_int("max_turn_tokens", max_turn_tokens)
         check_tokenizer(tokenizer)
         if reward_fn is not None and not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable(responses, prompts, metadata), got {reward_fn!r}")
@@ -103,6 +109,7 @@ class TokenEnv(EnvBase):
             self.source = PromptSource(prompts, tokenizer, group_size=group_size, shuffle=shuffle, seed=seed,
                                        overlong=overlong_prompts)  # fmt: skip
         self.tokenizer, self.reward_fn, self.max_new_tokens = tokenizer, as_reward_fn(reward_fn), max_new_tokens
+        self.max_turn_tokens = max_turn_tokens
         self.max_length = max_length if max_length is not None else context_limit(tokenizer, model_config)
         check_int("max_length", self.max_length)
         self.source.cap_prompt_length(self.max_length - 1)  # a prompt leaves room for one response token
@@ -150,7 +157,7 @@ class TokenEnv(EnvBase):
         reward = self.reward_fn
         return {
             "batch_size": self.batch_size[0], "group_size": getattr(source, "group_size", 1),
-            "max_new_tokens": self.max_new_tokens, "max_length": self.max_length,
+            "max_new_tokens": self.max_new_tokens, "max_turn_tokens": self.max_turn_tokens, "max_length": self.max_length,
             "prompts": f"{type(source).__name__}({n} items)", "vocab_size": self.vocab_size,
             "eos_token_ids": sorted(self.eos_token_ids), "stop_strings": list(self.stop_strings),
             "overlong_prompts": getattr(getattr(source, "overlong", None), "value", None),
@@ -390,15 +397,15 @@ class TokenEnv(EnvBase):
         return action
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        action, active, previous, new_len, resp_len, ended, limited = self._advance(tensordict)
+        action, active, previous, new_len, resp_len, ended, limited, cut = self._advance(tensordict)
         B = self.batch_size[0]
-        if not bool((ended | limited).any()):  # the common step: no turn ends, nothing to score
+        if not bool((ended | limited | cut).any()):  # the common step: no turn ends, nothing to score
             flags = torch.zeros(3, B, 1, dtype=torch.bool).unbind(0)
             self._commit(action, active, new_len, resp_len, flags[0].view(B), any_done=False)
             self._rt.flags = flags
             return self._observation(*flags, torch.zeros(B, 1))
         try:
-            end = self._end_turns(ended, limited, new_len)
+            end = self._end_turns(ended, limited, new_len, cut)
         except RewardFunctionError:
             self._rollback(previous)
             raise
@@ -411,8 +418,9 @@ class TokenEnv(EnvBase):
     def _advance(self, tensordict: TensorDictBase):
         """Validate the action, write it into the token buffer and find the slots whose turn ended.
 
-        Returns ``(action, active, previous, new_len, resp_len, ended, limited)``: ``ended`` marks an
-        EOS / stop string, ``limited`` a budget or context limit (a truncation unless ``ended``).
+        Returns ``(action, active, previous, new_len, resp_len, ended, limited, cut)``: ``ended`` marks an
+        EOS / stop string, ``limited`` the trajectory's budget or context limit (a truncation unless ``ended``),
+        ``cut`` the turn's limit ``max_turn_tokens`` (only where neither of the others).
         """
         if not self._rt.is_reset:
             raise ResetNeeded("TokenEnv was stepped before reset(); call env.reset() first")
@@ -428,7 +436,14 @@ class TokenEnv(EnvBase):
         if self._stop.is_enabled:
             ended |= self._stop.hits(self._tokens, action, active & ~ended, s[keys.PROMPT_LEN], new_len)
         limited = active & ((resp_len >= self.max_new_tokens) | (new_len >= self.max_length))
-        return action, active, previous, new_len, resp_len, ended, limited
+        cut = self._turn_cut(active & ~ended & ~limited, new_len)
+        return action, active, previous, new_len, resp_len, ended, limited, cut
+
+    def _turn_cut(self, candidates: torch.Tensor, new_len: torch.Tensor) -> torch.Tensor:
+        """Slots among ``candidates`` whose turn reached ``max_turn_tokens`` at length ``new_len``."""
+        if self.max_turn_tokens is None:
+            return torch.zeros_like(candidates)
+        return candidates & (new_len - self._rt.state[keys.PROMPT_LEN] >= self.max_turn_tokens)
 
     def _check_not_done(self, active: torch.Tensor) -> None:
         if self._rt.any_done and bool((self._rt.done & active).any()):
@@ -447,8 +462,9 @@ class TokenEnv(EnvBase):
         self._rt.done, self._rt.any_done = done, any_done
 
     # -- turn ends (overridden by multi-turn envs) --
-    def _end_turns(self, ended: torch.Tensor, limited: torch.Tensor, new_len: torch.Tensor) -> TurnEnd:
+    def _end_turns(self, ended: torch.Tensor, limited: torch.Tensor, new_len: torch.Tensor, cut: torch.Tensor) -> TurnEnd:
         """Score the slots whose turn ended (here: the episode ends with it). Raises RewardFunctionError."""
+        limited = limited | cut
         done = ended | limited
         reward = torch.zeros(self.batch_size[0], 1)
         self._score(done.nonzero().squeeze(-1), new_len, reward)
@@ -499,6 +515,8 @@ class TokenEnv(EnvBase):
         slots = s[keys.ACTIVE].nonzero().squeeze(-1)
         seq_len, resp_len = s[keys.SEQ_LEN][slots], s[keys.RESPONSE_LEN][slots]
         budget = torch.minimum(self.max_new_tokens - resp_len, self.max_length - seq_len)
+        if self.max_turn_tokens is not None:
+            budget = torch.minimum(budget, self.max_turn_tokens - (seq_len - s[keys.PROMPT_LEN][slots]))
         prompts = [self._tokens[b, : int(n)] for b, n in zip(slots.tolist(), seq_len.tolist(), strict=True)]
         return WaveRequest(slots=slots, prompts=prompts, max_new_tokens=budget,
                            eos_token_ids=tuple(sorted(self.eos_token_ids)), stop_strings=self.stop_strings)  # fmt: skip
@@ -520,7 +538,7 @@ class TokenEnv(EnvBase):
         wave = WaveSteps.from_result(request, result, self.batch_size[0])
         steps = unroll_wave(wave, self._rt.state, self._tokens, self._unroll_rules())
         try:
-            end = self._end_turns(steps.ended, steps.limited, steps.new_len)
+            end = self._end_turns(steps.ended, steps.limited, steps.new_len, steps.cut)
         except RewardFunctionError:
             steps.rollback(self._tokens)
             raise
@@ -531,7 +549,8 @@ class TokenEnv(EnvBase):
         return steps.to_tensordict(end, self._rt.state, width)
 
     def _unroll_rules(self):
-        return dict(eos=self._eos, stop=self._stop, max_new_tokens=self.max_new_tokens, max_length=self.max_length)
+        return dict(eos=self._eos, stop=self._stop, max_new_tokens=self.max_new_tokens, max_length=self.max_length,
+                    max_turn_tokens=self.max_turn_tokens)
 
 
 def _prompt_state(prompt: Prompt) -> dict:

@@ -40,6 +40,7 @@ class WaveSteps:
     end: torch.Tensor | None = None
     ended: torch.Tensor | None = None
     limited: torch.Tensor | None = None
+    cut: torch.Tensor | None = None
     new_len: torch.Tensor | None = None
     resp_len: torch.Tensor | None = None
     last_action: torch.Tensor | None = None
@@ -147,8 +148,9 @@ def unroll_wave(wave: WaveSteps, state: dict, tokens: torch.Tensor, rules: dict)
     """Write the wave's tokens into ``tokens`` (B, L) and find where each slot's turn ends.
 
     ``state`` is the env's slot state (observation keys, (B,) each) before the wave; ``rules`` holds
-    ``eos`` (ids tensor), ``stop`` (a stop checker), ``max_new_tokens`` and ``max_length``. Fills
-    ``wave.end`` (index of each slot's last step), the ``ended`` / ``limited`` flags at that step,
+    ``eos`` (ids tensor), ``stop`` (a stop checker), ``max_new_tokens``, ``max_length`` and ``max_turn_tokens``
+    (or ``None``). Fills ``wave.end`` (index of each slot's last step), the ``ended`` / ``limited`` / ``cut``
+    (the turn's limit, not the trajectory's) flags at that step,
     the lengths after it and what :meth:`WaveSteps.rollback` needs.
     """
     B, T = wave.actions.shape
@@ -169,12 +171,16 @@ def unroll_wave(wave: WaveSteps, state: dict, tokens: torch.Tensor, rules: dict)
             if bool(cand.any()):
                 terminated[:, j] |= stop.hits(tokens, actions[:, j], cand, p_len, pos[:, j] + 1)
     limit = ((resp0[:, None] + t + 1) >= rules["max_new_tokens"]) | (pos + 1 >= rules["max_length"])
-    limit |= t + 1 >= wave.lengths[:, None]  # the backend stopped: truncated unless the env ended the turn
-    end = _first_true(terminated | (limit & real)).clamp(max=T - 1)
+    cut = torch.zeros_like(limit)
+    if rules.get("max_turn_tokens") is not None:  # the turn's own limit: the turn ends, the episode may go on
+        cut = (pos + 1 - p_len[:, None] >= rules["max_turn_tokens"]) & ~limit
+    limit |= (t + 1 >= wave.lengths[:, None]) & ~cut  # the backend stopped: truncated unless the env ended the turn
+    end = _first_true(terminated | ((limit | cut) & real)).clamp(max=T - 1)
     idx = torch.arange(B)
     wave.end = torch.where(in_wave, end, torch.zeros_like(end))
     wave.ended = in_wave & terminated[idx, wave.end]
-    wave.limited = in_wave & ~wave.ended
+    wave.cut = in_wave & ~wave.ended & cut[idx, wave.end]
+    wave.limited = in_wave & ~wave.ended & ~wave.cut
     wave.new_len = torch.where(in_wave, seq0 + wave.end + 1, seq0)
     wave.resp_len = torch.where(in_wave, resp0 + wave.end + 1, resp0)
     wave.last_action = torch.where(in_wave, actions[idx, wave.end], state[keys.TOKEN])

@@ -27,10 +27,12 @@ def _first_wave(collector_cls, make_env, make_policy, sampling, **env_kwargs):
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(greedy=True), SamplingConfig(temperature=1.3, top_k=40, top_p=0.95)],
                          ids=["greedy", "sampled"])  # fmt: skip
-@pytest.mark.parametrize("stop_strings", [(), ("a",)], ids=["eos", "stop-string"])
-def test_unroll_equals_stepping(make_env, make_policy, sampling, stop_strings):
-    step = _first_wave(TokenCollector, make_env, make_policy, sampling, stop_strings=stop_strings)
-    unroll = _first_wave(functools.partial(TokenCollector, source="wave"), make_env, make_policy, sampling, stop_strings=stop_strings)
+@pytest.mark.parametrize("stop_strings, turn_limit", [((), None), (("a",), None), ((), 6)],
+                         ids=["eos", "stop-string", "turn-limit"])  # fmt: skip
+def test_unroll_equals_stepping(make_env, make_policy, sampling, stop_strings, turn_limit):
+    kw = dict(stop_strings=stop_strings, max_turn_tokens=turn_limit)
+    step = _first_wave(TokenCollector, make_env, make_policy, sampling, **kw)
+    unroll = _first_wave(functools.partial(TokenCollector, source="wave"), make_env, make_policy, sampling, **kw)
     assert step["traj_id"][:, 0].tolist() == unroll["traj_id"][:, 0].tolist() == [0, 1, 2, 3]
     mask = step[keys.MASK]
     assert torch.equal(mask, unroll[keys.MASK])

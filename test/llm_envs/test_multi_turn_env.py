@@ -263,3 +263,55 @@ def test_shipped_multi_turn_math_task_matches_the_chat_template(tokenizer):
     conversation = [*question, {"role": "assistant", "content": "<tool>calculator: 1+1</tool>"},
                     {"role": "tool", "content": "2"}, {"role": "assistant", "content": answer}]  # fmt: skip
     assert sequence == _template_ids(tokenizer, conversation)
+
+
+def _again(responses, prompts, metadata, turns):
+    return [Turn(1.0, "again") for _ in responses]
+
+
+def test_turn_limit_lets_a_four_turn_episode_play_every_turn(tokenizer):
+    """max_turn_tokens ends each turn, not the episode: 4 turns of 8 tokens within a 64-token episode budget."""
+    env = MultiTurnTokenEnv(["1+1="], tokenizer, _again, max_turns=4, batch_size=1, max_new_tokens=64,
+                            max_turn_tokens=8, max_length=256)  # fmt: skip
+    td, turns, steps = env.reset(), [], 0
+    while True:
+        td, nxt = env.step_and_maybe_reset(td.set(keys.ACTION, torch.tensor([40])))
+        steps += 1
+        turns.append(int(td["turn"]))
+        if bool(td[keys.DONE]):
+            break
+        td = nxt
+    assert steps == 32 and turns == [t for t in range(4) for _ in range(8)]
+    assert bool(td[keys.TRUNCATED]) and not bool(td[keys.TERMINATED])  # the last turn was cut
+    assert td[keys.REWARD].item() == 1.0
+
+
+def test_turn_limit_in_waves(tokenizer):
+    from tokengym.llm_envs.waves import WaveResult
+
+    env = MultiTurnTokenEnv(["1+1="], tokenizer, _again, max_turns=4, batch_size=1, max_new_tokens=20,
+                            max_turn_tokens=8, max_length=256)  # fmt: skip
+    env.reset()
+    budgets, dones = [], []
+    for _ in range(3):  # 8 + 8 + 4: the episode budget cuts the third turn
+        request = env.wave_request()
+        n = int(request.max_new_tokens[0])
+        budgets.append(n)
+        actions = torch.full((1, n), 40)
+        out = env.unroll(request, WaveResult(actions, torch.tensor([n]), torch.zeros(1, n)))
+        dones.append(bool(out["next", "done"][0, n - 1]))
+    assert budgets == [8, 8, 4] and dones == [False, False, True]
+    assert bool(out["next", "truncated"][0, 3]) and int(out["turn"][0, 0]) == 2
+
+
+def test_single_turn_limit_truncates(tokenizer):
+    from tokengym.llm_envs import TokenEnv
+
+    env = TokenEnv(["1+1="], tokenizer, batch_size=1, max_new_tokens=64, max_turn_tokens=3, max_length=64)
+    td = env.reset()
+    for _ in range(3):
+        td, nxt = env.step_and_maybe_reset(td.set(keys.ACTION, torch.tensor([40])))
+        last, td = td, nxt
+    assert bool(last[keys.TRUNCATED]) and env.config()["max_turn_tokens"] == 3
+    with pytest.raises(ValueError, match="max_turn_tokens"):
+        TokenEnv(["1+1="], tokenizer, batch_size=1, max_turn_tokens=0, max_length=64)
