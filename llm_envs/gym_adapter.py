@@ -97,10 +97,8 @@ class GymTokenEnv(gymnasium.Env):
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[dict, dict]:
         """Start an episode on the next prompt (the first of the ``seed`` order when ``seed`` is given)."""
         super().reset(seed=seed)
-        source = self.env.source
         if seed is not None:
-            source.seed = seed
-            source.load_state_dict({"epoch": 0, "pos": 0, "sample": 0, "group": 0})
+            self.env.source.rewind(seed)  # the env's reset below refills the slot (ending an external episode)
         self._td = self.env.reset()
         prompt = self.env.slot_prompt(0)
         if prompt is None:

@@ -230,6 +230,23 @@ class PromptSource:
             "TRL's max_prompt_length)"
         )
 
+    def rewind(self, seed: int) -> None:
+        """Start over from the first draw of the ``seed`` order: the cursor goes back to the start and the
+        shuffle is reseeded with ``seed`` (an iterable is read again from its start; :attr:`counts` stay).
+
+        Example:
+            >>> from tokengym.testing import tiny_tokenizer
+            >>> src = PromptSource(["a", "b", "c"], tiny_tokenizer(), shuffle=True)
+            >>> first = [src.next().text for _ in range(2)]
+            >>> src.rewind(0)
+            >>> [src.next().text for _ in range(2)] == first
+            True
+        """
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"rewind needs an int seed, got {seed!r}")
+        self.seed = seed
+        self.load_state_dict({"epoch": 0, "pos": 0, "sample": 0, "group": 0})
+
     def state_dict(self) -> dict:
         """Cursor of the source; restoring it replays the same prompts (iterables are re-read and skipped)."""
         return {"epoch": self._epoch, "pos": self._pos, "sample": self._sample, "group": self._group,

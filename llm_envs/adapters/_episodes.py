@@ -122,6 +122,15 @@ class EpisodeSource(PromptSource):
         super().shard(index, num_shards)
         return self
 
+    def rewind(self, seed: int) -> None:
+        """Start over from the first draw of the ``seed`` order: the next episode is episode 0, reset with the
+        seeds of ``seed``; failures not yet raised are dropped. The episodes still running are the env's: its
+        next refill of a slot ends the episode the slot held (reset the env after a rewind)."""
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"rewind needs an int seed, got {seed!r}")
+        self.seed, self.next_episode, self.is_exhausted = seed, 0, False
+        self.failures.clear()
+
     def state_dict(self) -> dict:
         """The episode counter (live sessions cannot be saved: a restored slot's episode ends with an error)."""
         return {"next_episode": self.next_episode}

@@ -71,3 +71,13 @@ class Server:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
+
+
+def gym_episode(env, actions, seed=0):
+    """``env.reset(seed=seed)`` (a GymTokenEnv) and then ``actions`` until the episode ends: [reset, *steps]."""
+    out = [env.reset(seed=seed)]
+    for action in actions:
+        out.append(env.step(action))
+        if out[-1][2] or out[-1][3]:
+            break
+    return out

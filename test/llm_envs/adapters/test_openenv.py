@@ -3,12 +3,13 @@ a server killed mid-episode, a server that answers with malformed messages, one 
 
 import pytest
 import torch
-from adapter_helpers import SOURCES, Server, collect, turn_texts
+from adapter_helpers import SOURCES, Server, collect, gym_episode, turn_texts
 from openenv_server import score
 
 from tokengym.collectors import TokenCollector, TransformersPolicy
 from tokengym.llm_envs import PromptError, keys
 from tokengym.llm_envs.adapters import EpisodeError, make_openenv_env
+from tokengym.llm_envs.gym_adapter import GymTokenEnv
 from tokengym.transforms.layouts import to_padded
 
 END_IDS = list(range(1, 512, 7))  # many end ids: turns end after a few tokens of a random model
@@ -127,3 +128,18 @@ def test_bad_arguments(openenv_server, tok, lm):
     out = env.backend.step([0], ["5"])
     assert "answered with an error" in str(out[0])
     env.close()
+
+
+def test_gym_reset_with_a_seed_starts_the_same_episode_again(openenv_server, tok):
+    """``reset(seed=0)`` of a gymnasium-wrapped OpenEnv env, a few steps, ``reset(seed=0)``: the same session again."""
+    env = GymTokenEnv(make_openenv_env, url=openenv_server.url, tokenizer=tok, batch_size=1, max_turns=3,
+                      max_new_tokens=16, max_length=256, timeout_s=10.0)  # fmt: skip
+    assert env.env.source.episode_seed(0) % 10 == 0  # the target of episode 0: the guesses below are wrong
+    actions = [t for guess in "123" for t in (*tok.encode(guess), tok.eos_token_id)]
+    first = gym_episode(env, actions)
+    assert first[0][1]["metadata"]["episode"] == 0 and len(first) > 2
+    again = gym_episode(env, actions[:3])  # mid-episode: the session the slot held is closed
+    assert repr(again) == repr(first[:4])
+    assert repr(gym_episode(env, actions)) == repr(first)
+    assert env.env.backend.live == []  # max_turns ended it
+    env.env.close()

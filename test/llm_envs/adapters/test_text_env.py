@@ -6,11 +6,12 @@ import pickle
 
 import pytest
 import torch
-from adapter_helpers import SOURCES, collect, turn_texts
+from adapter_helpers import SOURCES, collect, gym_episode, turn_texts
 
 from tokengym.collectors import TokenCollector
 from tokengym.llm_envs import PromptError, keys
 from tokengym.llm_envs.adapters import TextArenaEnv, make_text_env, make_textarena_env, textarena_factory
+from tokengym.llm_envs.gym_adapter import GymTokenEnv
 from tokengym.transforms.layouts import to_padded
 
 END_IDS = list(range(1, 512, 7))
@@ -134,3 +135,18 @@ def test_sharded_sources_start_disjoint_episodes(tok):
         with pytest.raises(ValueError, match="shard\\(\\) must come before the first draw"):
             env.source.shard(0, 2)
     assert seen == [[0, 2, 4], [1, 3, 5]]
+
+
+@pytest.mark.parametrize("make, env_kwargs", [(make_text_env, {"factory": Counter}),
+                                              (make_textarena_env, {"env_id": "GuessTheNumber-v0"})])  # fmt: skip
+def test_gym_reset_with_a_seed_starts_the_same_episode_again(tok, make, env_kwargs):
+    """``reset(seed=0)`` of a gymnasium-wrapped text env, a few steps, ``reset(seed=0)``: the same episode again."""
+    env = GymTokenEnv(make, tokenizer=tok, batch_size=1, max_new_tokens=16, max_length=1024, **env_kwargs)
+    actions = [*tok.encode("5"), tok.eos_token_id, *tok.encode("[7]"), tok.eos_token_id, *tok.encode("3")]
+    first = gym_episode(env, actions)
+    assert first[0][1]["metadata"]["episode"] == 0 and len(first) == 1 + len(actions)  # two turns and one token
+    again = gym_episode(env, actions)  # mid-episode: the episode the slot held ends
+    assert repr(again) == repr(first)
+    assert env.env.backend.live == [0]
+    assert gym_episode(env, actions, seed=1)[0][1]["metadata"]["seed"] != first[0][1]["metadata"]["seed"]
+    env.env.close()
