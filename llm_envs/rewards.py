@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import math
 import re
 import threading
@@ -39,12 +40,44 @@ _INT = re.compile(r"[-+]?\d+")
 _ONLY_INT = re.compile(r"\s*\$?\s*(?:\\boxed\{\s*([-+]?\d+)\s*\}|([-+]?\d+))\s*\$?\s*\.?\s*")
 _DIGIT = re.compile(r"\d")
 _VERIFIERS = ("math_verify", "exact")
+REWARD_ERRORS = "reward_errors"  # the count of model answers a verifier raised on (they score 0)
+_log = logging.getLogger("tokengym.rewards")
 
 
 def _check_number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise TypeError(f"{name} must be a finite number, got {value!r}")
     return float(value)
+
+
+def _unscorable(verifier, name: str, answer: str, err: Exception) -> None:
+    """Count an answer that made ``verifier`` raise (it scores 0) and warn the first time for ``name``.
+
+    A model's output is never bad input (DESIGN.md "Bad input"): ``verifier.counts["reward_errors"]``
+    counts such answers, and the collector copies it into its metrics through ``env.prompt_counts``.
+    """
+    verifier.counts[REWARD_ERRORS] += 1
+    if name not in verifier._warned:
+        verifier._warned.add(name)
+        _log.warning(
+            "%s: the verifier raised %s: %.200s on the answer %.200r; such answers score 0 and are counted in "
+            "the metrics as %r (only the first of %s is logged)",
+            name, type(err).__name__, err, answer, REWARD_ERRORS, name,
+        )  # fmt: skip
+
+
+def _int_text(text: str) -> str:
+    """An integer string (``[-+]?\\d+``) in canonical form, of any length: int() refuses over 4300 digits.
+
+    Example:
+        >>> _int_text("-007"), _int_text("+0"), _int_text("19")
+        ('-7', '0', '19')
+    """
+    sign, digits = ("-" if text[0] == "-" else ""), text.lstrip("+-")
+    if not digits.isascii():  # \d also matches other scripts' digits, which int() reads
+        digits = "".join(str(int(c)) for c in digits)
+    digits = digits.lstrip("0")
+    return sign + digits if digits else "0"
 
 
 def last_boxed(text: str) -> str | None:
@@ -130,6 +163,11 @@ class MathAnswerReward:
         verifier: ``"math_verify"`` or ``"exact"``.
         timeout_s: seconds math-verify may spend parsing or comparing one answer (whole seconds, >= 1).
 
+    Attributes:
+        counts: ``{"reward_errors": n}``, responses the verifier raised on (scored ``wrong``; the first is
+            logged under ``tokengym.rewards``). A :class:`TokenEnv` adds it to ``prompt_counts``, so it
+            appears in the collector's metrics.
+
     Raises:
         KeyError: at call time, if a metadata dict lacks ``answer_key``.
         ImportError: at construction, for ``verifier="math_verify"`` without the ``math-verify`` package.
@@ -166,14 +204,25 @@ class MathAnswerReward:
         self.correct = _check_number("correct", correct)
         self.wrong = _check_number("wrong", wrong)
         self.verifier, self.timeout_s = verifier, timeout_s
+        self.counts = {REWARD_ERRORS: 0}
+        self._warned: set[str] = set()
 
     def is_correct(self, response: str, answer) -> bool:
         """Whether ``response`` gives ``answer`` (the reference), with this reward's verifier.
+
+        A response the verifier raises on is wrong, counted in :attr:`counts` (``reward_errors``).
 
         Example:
             >>> MathAnswerReward().is_correct("The answer is 5. Check: 5+2=7", "5")
             True
         """
+        try:
+            return self._is_correct(response, answer)
+        except Exception as err:  # a model's output never stops a run: it scores `wrong`, counted
+            _unscorable(self, type(self).__name__, response, err)
+            return False
+
+    def _is_correct(self, response: str, answer) -> bool:
         if self.verifier == "exact":
             found = extract_answer(response)
             return found is not None and normalize_answer(found) == normalize_answer(answer)
@@ -181,7 +230,7 @@ class MathAnswerReward:
         if _INT.fullmatch(gold):  # the fast exact path: integer reference, integer-only response
             only = _ONLY_INT.fullmatch(response)
             if only is not None:
-                return int(only.group(1) or only.group(2)) == int(gold)
+                return _int_text(only.group(1) or only.group(2)) == _int_text(gold)
             if _DIGIT.search(response) is None:
                 return False
         from math_verify import parse, verify
@@ -324,6 +373,15 @@ class CombinedReward:
         self.reward_fns = [as_reward_fn(fn) for fn in reward_fns]
         self.weights = [_check_number("weight", w) for w in weights]
         self.use_trl_inputs = any(getattr(fn, "use_trl_inputs", False) for fn in self.reward_fns)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """The functions' ``counts`` summed (``reward_errors``: answers a verifier raised on)."""
+        total: dict[str, int] = {}
+        for fn in self.reward_fns:
+            for name, n in getattr(fn, "counts", {}).items():
+                total[name] = total.get(name, 0) + n
+        return total
 
     def __call__(self, responses: list[str], prompts: list[str], metadata: list[dict], **trl_inputs) -> torch.Tensor:
         total = torch.zeros(len(responses), dtype=torch.float32)

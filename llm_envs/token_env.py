@@ -196,8 +196,11 @@ class TokenEnv(EnvBase):
 
     @property
     def prompt_counts(self) -> dict[str, int]:
-        """Prompt draws left out (``prompts_skipped_overlong``) or truncated (``prompts_truncated``) so far."""
-        return dict(getattr(self.source, "counts", {}))
+        """Prompt draws left out (``prompts_skipped_overlong``) or truncated (``prompts_truncated``) so far,
+        and the reward function's ``counts`` (``reward_errors``: model answers its verifier raised on, scored 0)."""
+        counts = dict(getattr(self.source, "counts", {}))
+        counts.update(getattr(self.reward_fn, "counts", {}))
+        return counts
 
     @property
     def is_exhausted(self) -> bool:

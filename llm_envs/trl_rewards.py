@@ -108,6 +108,11 @@ class TRLReward:
     def __repr__(self) -> str:
         return f"TRLReward({self.__name__})"
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """The wrapped function's ``counts`` (e.g. ``reward_errors``), which ``TokenEnv.prompt_counts`` reports."""
+        return dict(getattr(self.fn, "counts", {}))
+
     def __call__(
         self,
         responses: list[str],

@@ -18,12 +18,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from tokengym.llm_envs.adapters._lazy import require
 from tokengym.llm_envs.gym_adapter import GymTokenEnv
+from tokengym.llm_envs.rewards import REWARD_ERRORS, _unscorable
 from tokengym.llm_envs.token_env import TokenEnv
 
 __all__ = ["ReasoningGymReward", "ReasoningGymSpec", "make_reasoning_gym_env", "reasoning_gym_prompts", "gym_env"]
@@ -146,12 +148,20 @@ class ReasoningGymReward:
     (``reasoning_gym.utils.extract_answer``); without one the reward is 0. The entry comes from
     ``metadata["entry"]``. Picklable (the dataset is rebuilt from its spec where it is first used).
 
+    An answer that makes ``score_answer`` raise (some datasets do on answers a model can write:
+    ``prime_factorization`` on any non-number, ``coin_flip`` and ``boxnet`` on ``1e999``) scores 0 and is
+    counted in :attr:`counts`; the first one of each dataset is logged under ``tokengym.rewards``.
+
     Args:
         dataset: as for :meth:`ReasoningGymSpec.parse` (or a :class:`ReasoningGymSpec`).
         config: options of a single dataset.
         size: entries of the spec (the same as the prompts').
         seed: seed of the spec.
         answer_tag: the tag around the answer.
+
+    Attributes:
+        counts: ``{"reward_errors": n}``, answers ``score_answer`` raised on (or gave a non-finite score);
+            a :class:`TokenEnv` adds it to ``prompt_counts``, so it appears in the collector's metrics.
     """
 
     def __init__(self, dataset, *, config: Mapping | None = None, size: int = 500, seed: int = 0,
@@ -164,6 +174,8 @@ class ReasoningGymReward:
             raise ValueError(f"answer_tag must be a non-empty string, got {answer_tag!r}")
         self.answer_tag = answer_tag
         self._dataset = None
+        self.counts = {REWARD_ERRORS: 0}
+        self._warned: set[str] = set()  # datasets whose first reward error was logged
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_dataset": None}
@@ -187,8 +199,25 @@ class ReasoningGymReward:
                                f"build the prompts with reasoning_gym_prompts(); metadata keys: {sorted(meta)}")  # fmt: skip
             answer = self.extract(response)
             if answer is not None:
-                out[i] = float(self.dataset.score_answer(answer, meta[ENTRY]) or 0.0)
+                out[i] = self._score(answer, meta[ENTRY])
         return out
+
+    def _score(self, answer: str, entry: dict) -> float:
+        """``score_answer(answer, entry)`` of the dataset; 0 (counted in :attr:`counts`) where it raises."""
+        dataset = self.dataset  # built outside the try: a bad spec is the user's error
+        try:
+            value = float(dataset.score_answer(answer, entry) or 0.0)
+            if not math.isfinite(value):
+                raise ValueError(f"score_answer returned {value}")
+        except Exception as err:  # a model's output never stops a run (DESIGN.md "Bad input")
+            _unscorable(self, self._dataset_name(entry), answer, err)
+            return 0.0
+        return value
+
+    def _dataset_name(self, entry) -> str:
+        meta = entry.get("metadata") if isinstance(entry, Mapping) else None
+        source = meta.get("source_dataset") if isinstance(meta, Mapping) else None
+        return str(source or "+".join(name for name, _, _ in self.spec.datasets))
 
 
 def make_reasoning_gym_env(

@@ -1,4 +1,5 @@
-"""Tests of llm_envs/rewards.py: math verifier, format, reward model wrapper, weighted sum."""
+"""Tests of llm_envs/rewards.py: math verifier, format, reward model wrapper, weighted sum; garbage answers
+score wrong and never raise, an answer a verifier raises on is counted (reward_errors) and logged."""
 
 import types
 
@@ -242,3 +243,71 @@ def test_combined_reward_bad_args():
     bad = CombinedReward([lambda r, p, m: [1.0]])
     with pytest.raises(ValueError, match="returned 1 values for 2 responses"):
         bad(["a", "b"], ["", ""], [{}, {}])
+
+
+# what a model can write: none of it may raise (DESIGN.md "Bad input"); 10,000 digits exceed int()'s limit
+BIG = "9" * 10_000
+GARBAGE = ["1e999", "", "\x00", "((((", BIG, "nan", "inf", "-inf", "\\boxed{" + BIG + "}", "\\boxed{1e999}",
+           "\\boxed{((((}", "\\boxed{nan}", "{" * 2000, "}" * 2000, "\\frac{1}{0}", BIG + ".5"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def verifiers():
+    return {v: MathAnswerReward(correct=2.0, wrong=-1.0, verifier=v) for v in ("math_verify", "exact")}
+
+
+@pytest.mark.parametrize("response", GARBAGE, ids=lambda g: repr(g[:12]))
+@pytest.mark.parametrize("verifier", ["math_verify", "exact"])
+def test_garbage_answers_are_wrong_not_errors(verifiers, verifier, response):
+    reward = verifiers[verifier]
+    answers = ["7", "-7", "\\frac{1}{2}", "B", "0.5"]
+    out = reward([response] * len(answers), [""] * len(answers), [{"answer": a} for a in answers])
+    assert out.tolist() == [-1.0] * len(answers)
+    assert reward.counts == {"reward_errors": 0}  # wrong, not unscorable: nothing raised
+    both = CombinedReward([reward, FormatReward(value=0.5)])
+    expected = -1.0 + (0.5 if "\\boxed{" in response and "}" in response else 0.0)
+    assert _call(both, [response], [{"answer": "7"}]) == [expected]
+
+
+def test_huge_integers_compare_exactly():
+    reward = MathAnswerReward()
+    assert _call(reward, [BIG, f"\\boxed{{{BIG}}}", "9" * 9_999, "-" + BIG, "0" + BIG], [{"answer": BIG}] * 5) == [
+        1.0, 1.0, 0.0, 0.0, 1.0]  # fmt: skip
+    assert _call(reward, ["\u0663", "-0", "+19"], [{"answer": 3}, {"answer": "0"}, {"answer": "019"}]) == [1.0] * 3
+
+
+def test_an_answer_the_verifier_raises_on_scores_wrong_and_is_counted(monkeypatch, caplog):
+    import math_verify
+
+    from tokengym.llm_envs import TokenEnv
+    from tokengym.testing import tiny_tokenizer
+
+    def broken(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(math_verify, "verify", broken)
+    reward = MathAnswerReward(correct=2.0, wrong=-1.0)
+    with caplog.at_level("WARNING", logger="tokengym.rewards"):
+        assert _call(reward, ["x = 1/2", "((((", "7"], [{"answer": "0.5"}] * 2 + [{"answer": 7}]) == [-1.0, -1.0, 2.0]
+    assert reward.counts == {"reward_errors": 2}  # "7" takes the exact integer path
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tokengym.rewards"]
+    assert len(warnings) == 1 and "RecursionError" in warnings[0] and "'x = 1/2'" in warnings[0]
+    combined = CombinedReward([reward, FormatReward(), MathAnswerReward(verifier="exact")])
+    assert combined.counts == {"reward_errors": 2}
+    env = TokenEnv(["q"], tiny_tokenizer(), combined, batch_size=1)
+    assert env.prompt_counts == {"prompts_skipped_overlong": 0, "prompts_truncated": 0, "reward_errors": 2}
+    assert "reward_errors" not in TokenEnv(["q"], tiny_tokenizer(), FormatReward(), batch_size=1).prompt_counts
+
+
+def test_counts_of_a_trl_reward_function_reach_prompt_counts():
+    from tokengym.llm_envs import TokenEnv
+    from tokengym.testing import tiny_tokenizer
+
+    class Judge:  # a TRL-style reward function that keeps its own counts
+        counts = {"reward_errors": 3}
+
+        def __call__(self, prompts, completions, **kwargs):
+            return [0.0] * len(completions)
+
+    assert TokenEnv(["q"], tiny_tokenizer(), Judge(), batch_size=1).prompt_counts["reward_errors"] == 3
+    assert CombinedReward([Judge(), Judge()]).counts == {"reward_errors": 6}

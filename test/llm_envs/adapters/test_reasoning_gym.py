@@ -1,6 +1,7 @@
 """reasoning-gym adapter: rewards of collected batches equal the dataset's own score_answer on the decoded
 responses (six generators of different kinds, a mix, the three generation sources), wrong formats score 0,
-bad names and configs get clear errors, the gymnasium id and pickling work."""
+bad names and configs get clear errors, the gymnasium id and pickling work; an answer that makes
+score_answer raise (prime_factorization, coin_flip, boxnet) scores 0, is counted in the metrics and logged."""
 
 import pickle
 
@@ -126,3 +127,60 @@ def test_a_missing_package_names_its_extra(monkeypatch, module, extra, make):
     monkeypatch.setitem(sys.modules, module, None)  # as if not installed
     with pytest.raises(ImportError, match=rf"pip install 'tokengym\[{extra}\]'"):
         make()
+
+
+GARBAGE = ("1e999", "not a number", "")
+
+
+def _raises(dataset, answer, entry) -> bool:
+    try:
+        dataset.score_answer(answer, entry)
+    except Exception:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("name", ("prime_factorization", "coin_flip", "boxnet"))
+def test_answers_that_make_score_answer_raise_score_0_and_are_counted(tok, caplog, name):
+    env = make_reasoning_gym_env(name, tokenizer=tok, size=4, batch_size=1, max_length=4096)
+    env.reset()
+    entry = env.slot_prompt(0).metadata["entry"]
+    dataset = reasoning_gym.create_dataset(name, size=4, seed=0)
+    raising = [g for g in GARBAGE if _raises(dataset, g, entry)]
+    assert "1e999" in raising  # reasoning-gym's score_answer raises on it
+    responses = [f"<answer>{g}</answer>" for g in GARBAGE] * 2
+    with caplog.at_level("WARNING", logger="tokengym.rewards"):
+        got = env.reward_fn(responses, ["q"] * len(responses), [{"entry": entry}] * len(responses)).tolist()
+    expected = [0.0 if g in raising else float(dataset.score_answer(g, entry)) for g in GARBAGE] * 2
+    assert got == pytest.approx(expected)
+    assert env.reward_fn.counts == {"reward_errors": 2 * len(raising)}
+    assert env.prompt_counts["reward_errors"] == 2 * len(raising)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tokengym.rewards"]
+    assert len(warnings) == 1 and name in warnings[0] and repr(raising[0]) in warnings[0]  # the first one only
+
+
+class Garbage(Answering):
+    """Every trajectory answers ``<answer>1e999</answer>``, then EOS."""
+
+    def text(self, traj, entry):
+        return "<answer>1e999</answer>"
+
+
+def test_a_garbage_answer_scores_0_in_a_collection_and_the_run_goes_on(tok, caplog):
+    from tokengym.collectors import TokenCollector
+
+    env = make_reasoning_gym_env(["prime_factorization", "coin_flip"], tokenizer=tok, size=8, batch_size=2,
+                                 max_new_tokens=32)  # fmt: skip
+    collector = TokenCollector(env, Garbage(env, tok), mode="trajectories", batch_size=2, source="step")
+    with caplog.at_level("WARNING", logger="tokengym.rewards"):
+        batches = [batch for _, batch in zip(range(4), collector, strict=False)]
+    assert sum(batch.shape[0] for batch in batches) >= 8
+    for batch in batches:
+        for row in range(batch.shape[0]):
+            mask = batch[keys.MASK][row]
+            assert tok.decode(batch[keys.ACTION][row][mask], skip_special_tokens=True) == "<answer>1e999</answer>"
+            assert float(batch[keys.REWARD][row, int(mask.nonzero()[-1]), 0]) == 0.0
+    assert env.prompt_counts["reward_errors"] >= 8
+    assert 8 <= collector.metrics["reward_errors"] <= env.prompt_counts["reward_errors"]  # copied at each batch's end
+    warned = sorted(r.getMessage().split(":")[0] for r in caplog.records if r.name == "tokengym.rewards")
+    assert warned == ["coin_flip", "prime_factorization"]  # the first error of each dataset, logged once
