@@ -5,13 +5,15 @@ import argparse
 import gymnasium
 
 import tokengym.llm_envs.gym_adapter  # noqa: F401  (registers the tokengym/ env ids)
+from tokengym.testing import tiny_tokenizer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--episodes", type=int, default=5)
 args = parser.parse_args()
 
-# one step = one token; max_new_tokens caps the response (the episode is then truncated)
-env = gymnasium.make("tokengym/Arithmetic-v0", max_new_tokens=8)
+# one step = one token; max_new_tokens caps the response (the episode is then truncated);
+# tokenizer: your model's (AutoTokenizer.from_pretrained(model_dir)), here the offline tiny one
+env = gymnasium.make("tokengym/Arithmetic-v0", tokenizer=tiny_tokenizer(), max_new_tokens=8)
 env.action_space.seed(0)  # the action space has its own RNG; reset(seed=...) seeds the prompts
 obs, info = env.reset(seed=0)
 for _ in range(args.episodes):

@@ -4,7 +4,8 @@ Importing this module registers the built-in tasks under the ``tokengym/`` names
 
 Example:
     >>> import gymnasium
-    >>> env = gymnasium.make("tokengym/Arithmetic-v0", max_new_tokens=4)
+    >>> from tokengym.testing import tiny_tokenizer
+    >>> env = gymnasium.make("tokengym/Arithmetic-v0", tokenizer=tiny_tokenizer(), max_new_tokens=4)
     >>> obs, info = env.reset(seed=0)
     >>> info["prompt"], sorted(obs)
     ('19+18=', ['prompt_len', 'response_len', 'seq_len', 'token'])
@@ -27,6 +28,7 @@ from gymnasium import spaces
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.errors import ResetNeeded
 from tokengym.llm_envs.tasks import make_arithmetic_env, make_countdown_env, make_reversal_env
+from tokengym.llm_envs.tasks._common import require_tokenizer
 from tokengym.llm_envs.token_env import TokenEnv
 
 __all__ = ["GymTokenEnv", "TASK_ENV_IDS", "register_envs"]
@@ -55,7 +57,8 @@ class GymTokenEnv(gymnasium.Env):
 
     Example:
         >>> from tokengym.llm_envs.tasks import make_reversal_env
-        >>> env = GymTokenEnv(make_reversal_env, batch_size=1, n_prompts=4)
+        >>> from tokengym.testing import tiny_tokenizer
+        >>> env = GymTokenEnv(make_reversal_env, tokenizer=tiny_tokenizer(), batch_size=1, n_prompts=4)
         >>> env.action_space
         Discrete(512)
         >>> obs, info = env.reset(seed=0)
@@ -148,6 +151,7 @@ def _token_id(action) -> int:
 
 
 def _make_task(task_id: str, *, render_mode: str | None = None, **env_kwargs) -> GymTokenEnv:
+    require_tokenizer(f"gymnasium.make({task_id!r})", env_kwargs.get("tokenizer"))
     env_kwargs = {"batch_size": 1, "shuffle": True, **env_kwargs}
     return GymTokenEnv(TASK_ENV_IDS[task_id], render_mode=render_mode, **env_kwargs)
 
@@ -155,7 +159,8 @@ def _make_task(task_id: str, *, render_mode: str | None = None, **env_kwargs) ->
 def register_envs() -> None:
     """Register the built-in tasks (ids in :data:`TASK_ENV_IDS`) with gymnasium; calling it again is a no-op.
 
-    Extra ``gymnasium.make`` kwargs go to the task's ``make_*_env`` (e.g. ``n_prompts``, ``max_new_tokens``).
+    ``gymnasium.make`` kwargs go to the task's ``make_*_env``: ``tokenizer`` (required), ``n_prompts``,
+    ``max_new_tokens``...
     """
     for env_id in TASK_ENV_IDS:
         if env_id not in gymnasium.registry:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv, Outcome
 from tokengym.llm_envs.adapters._ws import Session, fetch_json, parse_step, session_urls
+from tokengym.llm_envs.tasks._common import require_tokenizer
 
 __all__ = ["OpenEnvBackend", "make_openenv_env", "render_observation"]
 
@@ -147,13 +148,14 @@ def make_openenv_env(url: str, tokenizer, *, max_turns: int = 4, action_field: s
 
     Args:
         url: the server, ``http://host:port``.
-        tokenizer: a transformers tokenizer (its chat template renders the turns).
+        tokenizer: the tokenizer of the model you train (its chat template renders the turns).
         max_turns: turns per episode (the server may end it sooner with ``done``).
         action_field: the action field for the response text (default: found from ``/schema``).
         timeout_s: limit of a connection, a reset and a step.
         **env_kwargs: :class:`~tokengym.llm_envs.adapters.EpisodeTokenEnv` arguments (``batch_size``,
             ``max_new_tokens``, ``max_length``, ``num_episodes``, ``system_prompt``, ``seed``, ``render``...).
     """
+    require_tokenizer("make_openenv_env", tokenizer)
     render = env_kwargs.pop("render", None)
     backend = OpenEnvBackend(url, action_field=action_field, timeout_s=timeout_s, render=render)
     return EpisodeTokenEnv(backend, tokenizer, max_turns=max_turns, **env_kwargs)

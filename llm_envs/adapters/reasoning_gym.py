@@ -26,6 +26,7 @@ import torch
 from tokengym.llm_envs.adapters._lazy import require
 from tokengym.llm_envs.gym_adapter import GymTokenEnv
 from tokengym.llm_envs.rewards import REWARD_ERRORS, _unscorable
+from tokengym.llm_envs.tasks._common import require_tokenizer
 from tokengym.llm_envs.token_env import TokenEnv
 
 __all__ = ["ReasoningGymReward", "ReasoningGymSpec", "make_reasoning_gym_env", "reasoning_gym_prompts", "gym_env"]
@@ -223,7 +224,7 @@ class ReasoningGymReward:
 def make_reasoning_gym_env(
     dataset="chain_sum",
     *,
-    tokenizer=None,
+    tokenizer,
     config: Mapping | None = None,
     size: int = 500,
     seed: int = 0,
@@ -235,17 +236,14 @@ def make_reasoning_gym_env(
     Args:
         dataset: a name, names, ``{name: weight}`` or ``[{"name", "weight", "config"}]`` (see
             :meth:`ReasoningGymSpec.parse`).
-        tokenizer: defaults to the offline ``tiny_tokenizer()``.
+        tokenizer: the tokenizer of the model you train (``tokengym.testing.tiny_tokenizer()`` in tests).
         config: options of a single dataset (e.g. ``{"min_terms": 2, "max_terms": 2}``).
         size: entries generated.
         seed: seed of the entries (and of the prompt order with ``shuffle=True``).
         system_prompt: instruction before each question (``None``: none).
         **env_kwargs: the other :class:`TokenEnv` arguments (``batch_size``, ``max_new_tokens``, ...).
     """
-    if tokenizer is None:
-        from tokengym.llm_envs.tiny_models import tiny_tokenizer
-
-        tokenizer = tiny_tokenizer()
+    require_tokenizer("make_reasoning_gym_env", tokenizer)
     reward = ReasoningGymReward(dataset, config=config, size=size, seed=seed)
     prompts = reasoning_gym_prompts(reward.spec, system_prompt=system_prompt,
                                     use_chat=getattr(tokenizer, "chat_template", None) is not None)  # fmt: skip
@@ -255,7 +253,8 @@ def make_reasoning_gym_env(
 
 def gym_env(*, render_mode: str | None = None, **env_kwargs) -> GymTokenEnv:
     """The entry point of the gymnasium id ``tokengym/ReasoningGym-v0`` (one slot; kwargs go to
-    :func:`make_reasoning_gym_env`, e.g. ``dataset="chain_sum"``)."""
+    :func:`make_reasoning_gym_env`: ``tokenizer`` (required), ``dataset="chain_sum"``...)."""
+    require_tokenizer("gymnasium.make('tokengym/ReasoningGym-v0')", env_kwargs.get("tokenizer"))
     env_kwargs = {"batch_size": 1, "shuffle": True, **env_kwargs}
     return GymTokenEnv(make_reasoning_gym_env, render_mode=render_mode, **env_kwargs)
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch  # noqa: F401  (the example uses it)
 
 from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv, Outcome
+from tokengym.llm_envs.tasks._common import require_tokenizer
 
 __all__ = ["TextEnvBackend", "make_text_env"]
 
@@ -116,12 +117,13 @@ def make_text_env(factory: Callable, tokenizer, *, max_turns: int = 8, render: C
 
     Args:
         factory: ``factory() -> text env`` (picklable for Ray workers).
-        tokenizer: a transformers tokenizer (its chat template renders the turns).
+        tokenizer: the tokenizer of the model you train (its chat template renders the turns).
         max_turns: turns per episode (the env may end it sooner).
         render: ``render(observation) -> str`` (default ``str``).
         name: the env's name in error messages.
         **env_kwargs: :class:`~tokengym.llm_envs.adapters._episodes.EpisodeTokenEnv` arguments
             (``batch_size``, ``max_new_tokens``, ``max_length``, ``num_episodes``, ``system_prompt``, ``seed``...).
     """
+    require_tokenizer("make_text_env", tokenizer)
     return EpisodeTokenEnv(TextEnvBackend(factory, render=render, name=name), tokenizer, max_turns=max_turns,
                            **env_kwargs)  # fmt: skip

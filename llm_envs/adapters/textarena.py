@@ -26,6 +26,7 @@ import functools
 from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv
 from tokengym.llm_envs.adapters._lazy import require
 from tokengym.llm_envs.adapters.text_env import make_text_env
+from tokengym.llm_envs.tasks._common import require_tokenizer
 
 __all__ = ["TextArenaEnv", "make_textarena_env", "textarena_factory"]
 
@@ -82,5 +83,6 @@ def textarena_factory(env_id: str, **make_kwargs) -> functools.partial:
 
 def make_textarena_env(env_id: str, tokenizer, *, max_turns: int = 8, **env_kwargs) -> EpisodeTokenEnv:
     """A multi-turn token env playing TextArena game ``env_id``, one game per slot (see :func:`make_text_env`)."""
+    require_tokenizer("make_textarena_env", tokenizer)
     TextArenaEnv(env_id)  # a bad id fails here, not at the first reset
     return make_text_env(textarena_factory(env_id), tokenizer, max_turns=max_turns, name=env_id, **env_kwargs)

@@ -2,7 +2,8 @@
 
 Example:
     >>> from tokengym.llm_envs.tasks import make_arithmetic_env
-    >>> make_arithmetic_env(batch_size=2, n_prompts=8).batch_size
+    >>> from tokengym.testing import tiny_tokenizer
+    >>> make_arithmetic_env(tokenizer=tiny_tokenizer(), batch_size=2, n_prompts=8).batch_size
     torch.Size([2])
 """
 

@@ -1,8 +1,17 @@
-"""Helpers shared by the built-in tasks: argument checks and the env constructor."""
+"""Helpers shared by the built-in tasks (and the adapters: require_tokenizer): argument checks, the env constructor."""
 
 from __future__ import annotations
 
 from tokengym.llm_envs.token_env import RewardFn, TokenEnv
+
+_NEEDS_TOKENIZER = ("{builder} needs tokenizer=: the tokenizer of the model you train "
+                    "(AutoTokenizer.from_pretrained(model_dir); tokengym.testing.tiny_tokenizer() in tests)")
+
+
+def require_tokenizer(builder: str, tokenizer) -> None:
+    """Raise ``TypeError`` naming ``builder`` and the fix when ``tokenizer`` is ``None`` (no toy default)."""
+    if tokenizer is None:
+        raise TypeError(_NEEDS_TOKENIZER.format(builder=builder))
 
 
 def check_positive_int(name: str, value, *, minimum: int = 1) -> None:
@@ -15,17 +24,13 @@ def make_task_env(
     prompts: list[dict],
     reward_fn: RewardFn,
     *,
-    tokenizer=None,
+    tokenizer,
     batch_size: int = 8,
     max_new_tokens: int = 16,
     seed: int = 0,
     **env_kwargs,
 ) -> TokenEnv:
-    """A :class:`TokenEnv` over ``prompts``, with the offline tiny tokenizer by default."""
-    if tokenizer is None:
-        from tokengym.llm_envs.tiny_models import tiny_tokenizer
-
-        tokenizer = tiny_tokenizer()
+    """A :class:`TokenEnv` over ``prompts`` (``max_length`` defaults to 256)."""
     env_kwargs.setdefault("max_length", 256)
     return TokenEnv(
         prompts, tokenizer, reward_fn, batch_size=batch_size, max_new_tokens=max_new_tokens, seed=seed, **env_kwargs

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from tokengym.llm_envs.rewards import MathAnswerReward
-from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env
+from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env, require_tokenizer
 from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 
 __all__ = ["arithmetic_prompts", "arithmetic_reward", "make_arithmetic_env"]
@@ -58,7 +58,7 @@ def arithmetic_reward(*, correct: float = 1.0, wrong: float = 0.0) -> MathAnswer
 
 def make_arithmetic_env(
     *,
-    tokenizer=None,
+    tokenizer,
     batch_size: int = 8,
     max_new_tokens: int = 16,
     n_prompts: int = 1000,
@@ -71,7 +71,7 @@ def make_arithmetic_env(
     """A :class:`TokenEnv` over ``n_prompts`` arithmetic problems with :func:`arithmetic_reward`.
 
     Args:
-        tokenizer: a transformers tokenizer; defaults to the offline ``tiny_tokenizer()``.
+        tokenizer: the tokenizer of the model you train (``tokengym.testing.tiny_tokenizer()`` in tests).
         batch_size: parallel slots.
         max_new_tokens: response budget.
         n_prompts: number of problems generated.
@@ -84,7 +84,8 @@ def make_arithmetic_env(
     Example:
         >>> import torch
         >>> from tokengym.llm_envs import keys
-        >>> env = make_arithmetic_env(batch_size=1, n_prompts=4)
+        >>> from tokengym.testing import tiny_tokenizer
+        >>> env = make_arithmetic_env(tokenizer=tiny_tokenizer(), batch_size=1, n_prompts=4)
         >>> td = env.reset()
         >>> answer = env.slot_prompt(0).metadata["answer"]
         >>> for a in env.tokenizer(answer)["input_ids"] + [env.tokenizer.eos_token_id]:
@@ -93,6 +94,7 @@ def make_arithmetic_env(
         >>> out[keys.REWARD].item()
         1.0
     """
+    require_tokenizer("make_arithmetic_env", tokenizer)
     prompts = arithmetic_prompts(n_prompts, seed=seed, max_operand=max_operand, ops=ops)
     return make_task_env(
         prompts,

@@ -14,7 +14,7 @@ from fractions import Fraction
 import torch
 
 from tokengym.llm_envs.rewards import last_boxed
-from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env
+from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env, require_tokenizer
 from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 
 __all__ = ["CountdownReward", "countdown_prompts", "evaluate_expression", "make_countdown_env"]
@@ -139,7 +139,7 @@ class CountdownReward:
 
 def make_countdown_env(
     *,
-    tokenizer=None,
+    tokenizer,
     batch_size: int = 8,
     max_new_tokens: int = 16,
     n_prompts: int = 1000,
@@ -152,7 +152,7 @@ def make_countdown_env(
     """A :class:`TokenEnv` over ``n_prompts`` countdown puzzles with :class:`CountdownReward`.
 
     Args:
-        tokenizer: a transformers tokenizer; defaults to the offline ``tiny_tokenizer()``.
+        tokenizer: the tokenizer of the model you train (``tokengym.testing.tiny_tokenizer()`` in tests).
         batch_size: parallel slots.
         max_new_tokens: response budget.
         n_prompts: number of puzzles generated.
@@ -164,9 +164,11 @@ def make_countdown_env(
         **env_kwargs: forwarded to :class:`TokenEnv` (``max_length`` defaults to 256).
 
     Example:
-        >>> make_countdown_env(batch_size=2, n_prompts=4).batch_size
+        >>> from tokengym.testing import tiny_tokenizer
+        >>> make_countdown_env(tokenizer=tiny_tokenizer(), batch_size=2, n_prompts=4).batch_size
         torch.Size([2])
     """
+    require_tokenizer("make_countdown_env", tokenizer)
     prompts = countdown_prompts(n_prompts, seed=seed, n_numbers=n_numbers, max_number=max_number)
     return make_task_env(
         prompts,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
 from tokengym.llm_envs.rewards import extract_answer, normalize_answer
-from tokengym.llm_envs.tasks._common import check_positive_int
+from tokengym.llm_envs.tasks._common import check_positive_int, require_tokenizer
 from tokengym.llm_envs.tasks.arithmetic import arithmetic_prompts
 
 __all__ = ["MultiTurnMathFeedback", "make_multi_turn_math_env", "WRONG_FEEDBACK", "TOOL_HINT"]
@@ -56,7 +56,7 @@ class MultiTurnMathFeedback:
 
 def make_multi_turn_math_env(
     *,
-    tokenizer=None,
+    tokenizer,
     batch_size: int = 8,
     max_turns: int = 3,
     max_new_tokens: int = 48,
@@ -71,7 +71,7 @@ def make_multi_turn_math_env(
     """A :class:`MultiTurnTokenEnv` over arithmetic problems with retry feedback (and optionally tools).
 
     Args:
-        tokenizer: defaults to the offline ``tiny_tokenizer()``.
+        tokenizer: the tokenizer of the model you train (``tokengym.testing.tiny_tokenizer()`` in tests).
         batch_size: parallel slots.
         max_turns: turns per episode.
         max_new_tokens: generated-token budget of a whole episode (all turns).
@@ -85,17 +85,15 @@ def make_multi_turn_math_env(
 
     Example:
         >>> import torch
-        >>> env = make_multi_turn_math_env(batch_size=1, n_prompts=4)
+        >>> from tokengym.testing import tiny_tokenizer
+        >>> env = make_multi_turn_math_env(tokenizer=tiny_tokenizer(), batch_size=1, n_prompts=4)
         >>> td = env.reset(); tok = env.tokenizer
         >>> out = env.step(td.set("action", torch.tensor([tok.eos_token_id])))["next"]  # empty answer: wrong
         >>> out["turn"].item(), out["reward"].item(), out["done"].item()
         (1, 0.0, False)
     """
     check_positive_int("max_turns", max_turns)
-    if tokenizer is None:
-        from tokengym.llm_envs.tiny_models import tiny_tokenizer
-
-        tokenizer = tiny_tokenizer()
+    require_tokenizer("make_multi_turn_math_env", tokenizer)
     prompts = arithmetic_prompts(n_prompts, seed=seed, max_operand=max_operand)
     if getattr(tokenizer, "chat_template", None):
         hint = TOOL_HINT if tools else ""

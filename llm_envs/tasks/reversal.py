@@ -7,7 +7,7 @@ import string
 
 import torch
 
-from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env
+from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env, require_tokenizer
 from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 
 __all__ = ["ReversalReward", "make_reversal_env", "reversal_prompts"]
@@ -81,7 +81,7 @@ class ReversalReward:
 
 def make_reversal_env(
     *,
-    tokenizer=None,
+    tokenizer,
     batch_size: int = 8,
     max_new_tokens: int = 16,
     n_prompts: int = 1000,
@@ -93,7 +93,7 @@ def make_reversal_env(
     """A :class:`TokenEnv` over ``n_prompts`` words to reverse, with :class:`ReversalReward`.
 
     Args:
-        tokenizer: a transformers tokenizer; defaults to the offline ``tiny_tokenizer()``.
+        tokenizer: the tokenizer of the model you train (``tokengym.testing.tiny_tokenizer()`` in tests).
         batch_size: parallel slots.
         max_new_tokens: response budget.
         n_prompts: number of words generated.
@@ -103,9 +103,11 @@ def make_reversal_env(
         **env_kwargs: forwarded to :class:`TokenEnv` (``max_length`` defaults to 256).
 
     Example:
-        >>> make_reversal_env(batch_size=2, n_prompts=4).batch_size
+        >>> from tokengym.testing import tiny_tokenizer
+        >>> make_reversal_env(tokenizer=tiny_tokenizer(), batch_size=2, n_prompts=4).batch_size
         torch.Size([2])
     """
+    require_tokenizer("make_reversal_env", tokenizer)
     return make_task_env(
         reversal_prompts(n_prompts, seed=seed),
         ReversalReward(partial_credit=partial_credit) if reward_fn is None else reward_fn,

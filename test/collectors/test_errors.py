@@ -14,7 +14,7 @@ from tokengym.collectors import (
 )
 from tokengym.llm_envs import GymTokenEnv, MathAnswerReward, TokenEnv, keys
 from tokengym.llm_envs.tasks import make_arithmetic_env, make_multi_turn_math_env
-from tokengym.testing import make_trajectory_batch
+from tokengym.testing import make_trajectory_batch, tiny_tokenizer
 
 
 def _env(tokenizer, model, batch_size, **kwargs):
@@ -48,7 +48,7 @@ def test_tokenizer_none_says_a_tokenizer_is_required(tok):
 
 @pytest.mark.parametrize("action", [5, np.int64(5), np.array(5), np.array([5]), torch.tensor(5), torch.tensor([5])])
 def test_gym_action_as_tensor_or_array_works(action):
-    env = GymTokenEnv(make_arithmetic_env, batch_size=1, n_prompts=2)
+    env = GymTokenEnv(make_arithmetic_env, tokenizer=tiny_tokenizer(), batch_size=1, n_prompts=2)
     env.reset(seed=0)
     obs, *_ = env.step(action)
     assert int(obs[keys.TOKEN]) == 5
@@ -64,7 +64,7 @@ def test_gym_action_as_tensor_or_array_works(action):
     ],
 )
 def test_gym_bad_actions_say_what_is_wrong(action, error, match):
-    env = GymTokenEnv(make_arithmetic_env, batch_size=1, n_prompts=2)
+    env = GymTokenEnv(make_arithmetic_env, tokenizer=tiny_tokenizer(), batch_size=1, n_prompts=2)
     env.reset(seed=0)
     with pytest.raises(error, match=match):
         env.step(action)
@@ -103,7 +103,7 @@ def test_reprs_show_the_configuration(tokenizer, model):
                          f"prompts=PromptSource(2 items), vocab_size={env.vocab_size}, "
                          f"eos_token_ids=[{tokenizer.eos_token_id}], stop_strings=[], overlong_prompts='error', "
                          "reward_fn=MathAnswerReward)")  # fmt: skip
-    multi = make_multi_turn_math_env(batch_size=2, n_prompts=4)
+    multi = make_multi_turn_math_env(tokenizer=tokenizer, batch_size=2, n_prompts=4)
     assert repr(multi).startswith("MultiTurnTokenEnv(batch_size=2,") and "turn_fn=MultiTurnMathFeedback, max_turns=3)" in repr(multi)
     collector = TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=4, total_steps=20)
     assert repr(collector) == (f"TokenCollector(mode='trajectories', batch_size=4, total_steps=20, source='step', "

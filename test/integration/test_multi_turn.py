@@ -57,7 +57,8 @@ def test_layouts_round_trip(collected, tokenizer):
 
 
 def test_math_task_with_real_policy(tokenizer, model):
-    env = make_multi_turn_math_env(batch_size=2, n_prompts=4, max_new_tokens=24, model_config=model.config,
+    env = make_multi_turn_math_env(tokenizer=tokenizer, batch_size=2, n_prompts=4, max_new_tokens=24,
+                                   model_config=model.config,
                                    eos_token_ids=list(range(0, len(tokenizer), 5)))  # fmt: skip
     policy = TransformersPolicy(model, env, return_raw_log_prob=True)
     batch = next(iter(TokenCollector(env, policy, mode="trajectories", batch_size=2, total_steps=200)))

@@ -15,6 +15,7 @@ from tokengym.llm_envs.gym_adapter import TASK_ENV_IDS, GymTokenEnv, register_en
 from tokengym.llm_envs.prompts import PromptSource
 from tokengym.llm_envs.tasks import make_arithmetic_env, make_reversal_env
 from tokengym.llm_envs.token_env import TokenEnv
+from tokengym.testing import tiny_tokenizer
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "gym_adapter.py"
 
@@ -26,7 +27,7 @@ def _answer_ids(env, text: str) -> list[int]:
 
 @pytest.mark.parametrize("env_id", sorted(TASK_ENV_IDS))
 def test_registered_env_passes_check_env(env_id):
-    env = gymnasium.make(env_id)
+    env = gymnasium.make(env_id, tokenizer=tiny_tokenizer())
     check_env(env.unwrapped)  # warnings are errors in this test suite
     env.close()
 
@@ -39,7 +40,7 @@ def test_register_envs_is_idempotent():
 
 @pytest.mark.parametrize("env_id", sorted(TASK_ENV_IDS))
 def test_scripted_correct_answer_gets_reward_one(env_id):
-    env = gymnasium.make(env_id, n_prompts=16)
+    env = gymnasium.make(env_id, tokenizer=tiny_tokenizer(), n_prompts=16)
     obs, info = env.reset(seed=5)
     answer = info["metadata"]["answer"]
     assert obs[keys.RESPONSE_LEN] == 0 and obs[keys.SEQ_LEN] == obs[keys.PROMPT_LEN] > 0
@@ -53,7 +54,7 @@ def test_scripted_correct_answer_gets_reward_one(env_id):
 
 
 def test_seeded_reset_is_deterministic():
-    env = gymnasium.make("tokengym/Arithmetic-v0", n_prompts=64)
+    env = gymnasium.make("tokengym/Arithmetic-v0", tokenizer=tiny_tokenizer(), n_prompts=64)
     prompts = {}
     for seed in (1, 2, 1):
         first = env.reset(seed=seed)[1]["prompt"]
@@ -63,7 +64,7 @@ def test_seeded_reset_is_deterministic():
 
 
 def test_truncation_and_step_after_done():
-    env = gymnasium.make("tokengym/Reversal-v0", max_new_tokens=3, render_mode="ansi")
+    env = gymnasium.make("tokengym/Reversal-v0", tokenizer=tiny_tokenizer(), max_new_tokens=3, render_mode="ansi")
     _, info = env.reset(seed=0)
     token = env.unwrapped.tokenizer("a", add_special_tokens=False)["input_ids"][0]
     results = [env.step(np.int64(token)) for _ in range(3)]
@@ -78,14 +79,14 @@ def test_gym_token_env_errors():
     with pytest.raises(TypeError, match="env_factory must be a callable returning a TokenEnv, got 3"):
         GymTokenEnv(3)
     with pytest.raises(ValueError, match=r"render_mode must be None or one of \['ansi'\], got 'human'"):
-        GymTokenEnv(make_arithmetic_env, render_mode="human", batch_size=1)
+        GymTokenEnv(make_arithmetic_env, render_mode="human", tokenizer=tiny_tokenizer(), batch_size=1)
     with pytest.raises(TypeError, match="env_factory must return a TokenEnv, got list"):
         GymTokenEnv(list)
     with pytest.raises(
         ValueError, match=r"needs a single-slot TokenEnv, got batch_size=\(2,\); build it with batch_size=1"
     ):
-        GymTokenEnv(make_arithmetic_env, batch_size=2)
-    env = GymTokenEnv(make_reversal_env, batch_size=1, n_prompts=2)
+        GymTokenEnv(make_arithmetic_env, tokenizer=tiny_tokenizer(), batch_size=2)
+    env = GymTokenEnv(make_reversal_env, tokenizer=tiny_tokenizer(), batch_size=1, n_prompts=2)
     assert env.render() is None
     with pytest.raises(ResetNeeded, match=r"step\(\) before reset\(\)"):
         env.step(0)

@@ -107,7 +107,7 @@ def test_check_env_passes(tokenizer):
                             max_length=64)  # fmt: skip
     check_env(env, steps=60)
     assert env.turn_metrics["turns"] > 0
-    check_env(make_multi_turn_math_env(batch_size=2, n_prompts=4, max_new_tokens=8), steps=40)
+    check_env(make_multi_turn_math_env(tokenizer=tokenizer, batch_size=2, n_prompts=4, max_new_tokens=8), steps=40)
 
 
 @pytest.mark.parametrize("max_turns", [0, -1, 1.5, True])
@@ -122,7 +122,7 @@ def test_bad_turn_fn_and_reward_fn(tokenizer):
     with pytest.raises(ValueError, match="rewards through turn_fn; pass reward_fn=None"):
         MultiTurnTokenEnv(["1+1="], tokenizer, lambda *a: [], reward_fn=lambda *a: [1.0])
     with pytest.raises(ValueError, match="max_turns must be an int >= 1"):
-        make_multi_turn_math_env(max_turns=0)
+        make_multi_turn_math_env(tokenizer=tokenizer, max_turns=0)
 
 
 def _boom(*args):

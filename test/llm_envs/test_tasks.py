@@ -24,6 +24,7 @@ from tokengym.llm_envs.tasks import (
     reversal_prompts,
 )
 from tokengym.llm_envs.token_env import TokenEnv
+from tokengym.testing import tiny_tokenizer
 
 TASKS = {
     "arithmetic": (arithmetic_prompts, make_arithmetic_env),
@@ -54,7 +55,7 @@ def test_prompts_are_seeded(task):
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_task_env_rewards_the_scripted_answer(task):
-    env = TASKS[task][1](batch_size=1, n_prompts=5, seed=1)
+    env = TASKS[task][1](tokenizer=tiny_tokenizer(), batch_size=1, n_prompts=5, seed=1)
     answer = env.source.prompts[0]["answer"]
     assert _play(env, answer) == 1.0
     assert _play(env, "0 wrong") == 0.0  # next prompt, a wrong answer
@@ -62,7 +63,7 @@ def test_task_env_rewards_the_scripted_answer(task):
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_task_env_steps_with_random_actions(task):
-    env = TASKS[task][1](batch_size=4, n_prompts=8, max_new_tokens=3)
+    env = TASKS[task][1](tokenizer=tiny_tokenizer(), batch_size=4, n_prompts=8, max_new_tokens=3)
     rollout = env.rollout(4, break_when_any_done=False)
     assert rollout.batch_size == (4, 4)
     assert bool(rollout.get(keys.DONE)[:, 2].all())  # the 3-token budget ends every response
@@ -77,7 +78,8 @@ def test_task_env_takes_a_reward_fn(task):
         seen.extend(metadata)
         return [float(r == "hello") for r in responses]
 
-    env = TASKS[task][1](batch_size=1, n_prompts=3, max_new_tokens=8, reward_fn=says_hello)
+    env = TASKS[task][1](tokenizer=tiny_tokenizer(), batch_size=1, n_prompts=3, max_new_tokens=8,
+                         reward_fn=says_hello)  # fmt: skip
     assert _play(env, "hello") == 1.0
     assert _play(env, env.source.prompts[1]["answer"]) == 0.0  # the task's own reward is replaced
     assert [m["answer"] for m in seen] == [p["answer"] for p in env.source.prompts[:2]]

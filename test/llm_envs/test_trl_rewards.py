@@ -10,6 +10,7 @@ from tokengym.llm_envs import CombinedReward, MathAnswerReward, TokenEnv, keys
 from tokengym.llm_envs.tasks import arithmetic_prompts, make_countdown_env
 from tokengym.llm_envs.trl_rewards import TRLReward, as_reward_fn, from_trl_reward, is_trl_reward
 from tokengym.llm_envs.waves import WaveResult
+from tokengym.testing import tiny_tokenizer
 
 
 # Reward functions written as in TRL's GRPOTrainer docs: completions first, dataset columns as kwargs.
@@ -64,7 +65,7 @@ def test_task_env_with_a_trl_reward():
     def reaches_target(completions, target, numbers, **kwargs):
         return [float(str(t) in c) for c, t in zip(completions, target, strict=True)]
 
-    env = make_countdown_env(batch_size=1, n_prompts=2, reward_fn=from_trl_reward(reaches_target))
+    env = make_countdown_env(tokenizer=tiny_tokenizer(), batch_size=1, n_prompts=2, reward_fn=from_trl_reward(reaches_target))
     td = env.reset()
     text = str(env.source.prompts[0]["target"])
     for token in tokenizer_ids(env, text):

@@ -104,7 +104,7 @@ def test_bad_names_and_configs_name_the_choices(tok):
 def test_gymnasium_id_and_pickling(tok):
     import tokengym.llm_envs.adapters  # noqa: F401  (registers the id)
 
-    env = gymnasium.make("tokengym/ReasoningGym-v0", dataset="gcd", size=4, max_new_tokens=2)
+    env = gymnasium.make("tokengym/ReasoningGym-v0", tokenizer=tok, dataset="gcd", size=4, max_new_tokens=2)
     obs, info = env.reset(seed=0)
     assert "<answer>" in info["prompt"] or "answer" in info["prompt"].lower()
     assert info["metadata"]["entry"]["metadata"]["source_dataset"] == "gcd"

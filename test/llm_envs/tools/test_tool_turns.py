@@ -61,8 +61,8 @@ class ToolScript:
 
 
 def test_collector_with_tool_calls_never_raises(tokenizer):
-    env = make_multi_turn_math_env(batch_size=4, n_prompts=4, max_turns=3, max_new_tokens=64, tools=True,
-                                   python_timeout_s=1.0)  # fmt: skip
+    env = make_multi_turn_math_env(tokenizer=tokenizer, batch_size=4, n_prompts=4, max_turns=3, max_new_tokens=64,
+                                   tools=True, python_timeout_s=1.0)  # fmt: skip
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     answers = [p["answer"] for p in arithmetic_prompts(4, seed=0)]  # slot b gets prompt b at the first reset
     calls = ["<tool>calculator: 2+2</tool>", "<tool>python: while True: pass</tool>", "<tool>python: print(</tool>",
