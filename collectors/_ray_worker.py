@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDictBase
 
 from tokengym.collectors.token_collector import CollectMode, TokenCollector
-from tokengym.llm_envs import keys
+from tokengym.llm_envs import PromptError, keys
 
 __all__ = ["CollectorWorker", "PackedState", "WorkerSpec", "pack_weights", "unpack_state", "unpack_weights", "worker_seeds"]
 
@@ -170,7 +170,9 @@ class CollectorWorker:
         """``((batch, metrics), state after it)``; ``(None, state)`` once this worker's budget or shard ends.
 
         A failing batch (a reward function raising, say) rolls the worker back to the state after its
-        last batch and raises with the worker's index in the message.
+        last batch and raises with the worker's index in the message. A :class:`PromptError` does not: the
+        collector has recorded what it collected and moved past the prompt (a rollback would draw it
+        again, and fail again), so the next call goes on from there.
         """
         # OpenMP's thread count is per thread: without this, torch in this (non-main) thread runs
         # one OpenMP thread per core, many times slower when the cores are busy
@@ -180,6 +182,8 @@ class CollectorWorker:
                 if self.iterator is None:
                     self.iterator = iter(self.collector)
             batch = next(self.iterator, None)
+        except PromptError as err:
+            raise _with_worker(err, self.index, self.num_workers) from err
         except Exception as err:
             self.iterator = None
             version = self.collector.policy.version

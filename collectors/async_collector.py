@@ -5,13 +5,12 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Iterator
 
 import torch
 from tensordict import TensorDictBase
 
 from tokengym.collectors.policies.protocol import weights_of
-from tokengym.collectors.token_collector import CollectMode
+from tokengym.collectors.token_collector import BatchIterator, CollectMode
 from tokengym.llm_envs import keys
 
 __all__ = ["AsyncCollector"]
@@ -43,6 +42,9 @@ class AsyncCollector:
     ``metrics`` adds ``staleness_mean`` / ``staleness_max`` (tokens yielded, against ``current``),
     ``dropped_tokens`` (cumulative), ``collector_wait_s`` (the collector idle at the bound) and
     ``trainer_wait_s`` (the trainer waiting for the batch) to the collector's metrics.
+
+    A batch that raises in the collector (a ``PromptError``, a reward function) raises from the trainer's
+    ``next()`` in its place; collection goes on and the next ``next()`` gives the next batch.
 
     Args:
         collector: a :class:`TokenCollector` (its policy must hold its own copy of the model: training
@@ -98,15 +100,19 @@ class AsyncCollector:
                     if self._is_stopping:
                         return
                     self._started, self._is_busy = self._started + 1, True
-                batch = next(iterator, None)
+                try:
+                    batch = next(iterator, None)
+                    item = None if batch is None else (batch, dict(self.collector.metrics))
+                except Exception as err:  # one batch failed (a prompt, a reward function): the collector goes on
+                    item = (None, err)  # queued in the batch's place: the trainer meets it where it happened
                 with self._cond:
-                    if batch is None:
+                    if item is None:
                         self._is_done = True
                     else:
-                        self._queue.append((batch, dict(self.collector.metrics)))
+                        self._queue.append(item)
                     self._is_busy = False
                     self._cond.notify_all()
-                if batch is None:
+                if item is None:
                     return
         except BaseException as err:  # surfaced to the trainer by the next next_batch()
             with self._cond:
@@ -119,9 +125,9 @@ class AsyncCollector:
             self._thread.start()
 
     # -- the trainer side --
-    def __iter__(self) -> Iterator[TensorDictBase]:
-        while (batch := self.next_batch()) is not None:
-            yield batch
+    def __iter__(self) -> BatchIterator:
+        """An iterator of batches; an error of one batch ends that ``next()`` only, and the next one goes on."""
+        return BatchIterator(self.next_batch)
 
     def next_batch(self) -> TensorDictBase | None:
         """The next batch (staleness-checked against the current version); ``None`` when collection ends."""
@@ -138,6 +144,8 @@ class AsyncCollector:
                 return None
             batch, inner = self._queue.popleft()
         self.counters["trainer_wait_s"] += time.perf_counter() - start
+        if batch is None:
+            raise inner  # the collector failed this batch and went on: the next call gives the next one
         batch, dropped = self._drop_stale(batch)
         self.counters["dropped_tokens"] += dropped
         self._update_metrics(batch, inner)
@@ -220,7 +228,8 @@ class AsyncCollector:
             self._is_paused = True
             try:
                 self._cond.wait_for(lambda: not self._is_busy)
-                return {"collector": self.collector.state_dict(), "queued": [dict(b=b, metrics=m) for b, m in self._queue],
+                queued = [dict(b=b, metrics=m) for b, m in self._queue if b is not None]  # errors are not data
+                return {"collector": self.collector.state_dict(), "queued": queued,
                         "version": self.version, "counters": dict(self.counters)}  # fmt: skip
             finally:
                 self._is_paused = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from tensordict import TensorDictBase
@@ -20,8 +20,7 @@ from tokengym.collectors._ray_worker import (
     worker_seeds,
 )
 from tokengym.collectors.policies.protocol import weights_of
-from tokengym.collectors.sinks import write_to_sink
-from tokengym.collectors.token_collector import CollectMode, CollectorOptions
+from tokengym.collectors.token_collector import BatchIterator, CollectMode, CollectorOptions
 from tokengym.llm_envs import PromptTable, keys
 
 __all__ = ["RayConfig", "RayTokenCollector", "cat_batches", "worker_seeds"]
@@ -73,8 +72,9 @@ class RayTokenCollector:
 
     A worker that dies is restarted from the state after its last delivered batch (with the newest
     weights), so no trajectory is lost or duplicated. A worker whose batch raises (a reward function,
-    say) is rolled back to that state; the error names the worker, and the other workers' results
-    of the round are kept for the next call.
+    say) is rolled back to that state (after a ``PromptError`` it goes on past the prompt instead); the
+    error names the worker, and the other workers' results of the round are kept for the next call,
+    which the same iterator answers.
 
     Args:
         env_fn: picklable ``() -> TokenEnv`` (or a ``TransformedEnv`` of one), called on each worker.
@@ -203,13 +203,10 @@ class RayTokenCollector:
         self.shutdown()
 
     # -- iteration --
-    def __iter__(self) -> Iterator[TensorDictBase | None]:
-        while (batch := self.next_batch()) is not None:
-            if self.sink is None:
-                yield batch
-                continue
-            write_to_sink(self.sink, batch)
-            yield None
+    def __iter__(self) -> BatchIterator:
+        """An iterator of combined batches; an error of one round (a worker's, say) ends that ``next()``
+        only, and the next one goes on with the other workers' results of the round."""
+        return BatchIterator(self.next_batch, sink=self.sink)
 
     def next_batch(self) -> TensorDictBase | None:
         """One round: a batch from every worker still collecting, combined; ``None`` when all are done."""

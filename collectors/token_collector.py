@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from enum import StrEnum
 
 import torch
@@ -18,7 +19,7 @@ from tokengym.collectors.sinks import write_to_sink
 from tokengym.collectors.sources import SourceKind, make_source
 from tokengym.llm_envs import PromptTable, TokenEnv, keys
 
-__all__ = ["CollectMode", "InFlight", "TokenCollector"]
+__all__ = ["BatchIterator", "CollectMode", "InFlight", "TokenCollector"]
 
 
 class CollectMode(StrEnum):
@@ -238,23 +239,22 @@ class TokenCollector:
         self.prompts = self.prompts.subset(torch.tensor(live, dtype=torch.int64), self.recorder.queued_trajectories())
 
     # -- iteration --
-    def __iter__(self) -> Iterator[TensorDictBase | None]:
+    def __iter__(self) -> BatchIterator:
         self._collect_thread = threading.get_ident()  # claimed at iter(), before the first batch starts
-        return self._iterate()
+        bar = self._progress_bar()
+        return BatchIterator(self._next_in_thread, sink=self.sink, on_end=functools.partial(self._end, bar),
+                             on_batch=None if bar is None else functools.partial(self._show_progress, bar))  # fmt: skip
 
-    def _iterate(self) -> Iterator[TensorDictBase | None]:
+    def _next_in_thread(self) -> TensorDictBase | None:
         # OpenMP's thread count is per thread: a collector iterated in another thread keeps its builder's
         torch.set_num_threads(self.num_threads)
-        bar = self._progress_bar()
-        while (batch := self._next_batch()) is not None:
-            if bar is not None:
-                bar.update(self.metrics["tokens"])
-                bar.set_postfix(reward=f"{self.metrics['mean_reward']:.3f}", tok_s=f"{self.metrics['tokens_per_s']:.0f}")
-            if self.sink is None:
-                yield batch
-                continue
-            write_to_sink(self.sink, batch)
-            yield None
+        return self._next_batch()
+
+    def _show_progress(self, bar) -> None:
+        bar.update(self.metrics["tokens"])
+        bar.set_postfix(reward=f"{self.metrics['mean_reward']:.3f}", tok_s=f"{self.metrics['tokens_per_s']:.0f}")
+
+    def _end(self, bar) -> None:
         self._collect_thread = None
         if bar is not None:
             bar.close()
@@ -343,6 +343,53 @@ class TokenCollector:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; the next batch is the one the saved run would have yielded."""
         load_collector_state(self, state)
+
+
+class BatchIterator:
+    """The iterator of a collector: each ``next()`` is one call of ``next_batch``.
+
+    Not a generator: a generator ends at its first exception, so a :class:`~tokengym.llm_envs.PromptError`
+    (or a reward function's error) caught around ``next(it)`` would leave ``it`` exhausted. Here an exception
+    ends that one call; the next ``next(it)`` goes on from what the collector had recorded. ``next_batch``
+    returning ``None`` ends the iteration (budget or prompts exhausted). With a ``sink`` the batch is
+    written there and ``next()`` gives ``None``.
+
+    Args:
+        next_batch: the collector's next batch, or ``None`` when it is done.
+        sink: a ``ReplayBuffer`` (``extend``) or a queue (``put``), or ``None``.
+        on_batch: called after each batch (a progress bar, say).
+        on_end: called once when ``next_batch`` gives ``None``.
+
+    Example:
+        >>> batches = iter([1, 2])
+        >>> it = BatchIterator(lambda: next(batches, None))
+        >>> list(it), next(it, "done")
+        ([1, 2], 'done')
+    """
+
+    def __init__(self, next_batch: Callable[[], TensorDictBase | None], *, sink=None,
+                 on_batch: Callable[[], None] | None = None, on_end: Callable[[], None] | None = None) -> None:  # fmt: skip
+        self.next_batch, self.sink, self.on_batch, self.on_end = next_batch, sink, on_batch, on_end
+        self.is_done = False
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> TensorDictBase | None:
+        if self.is_done:
+            raise StopIteration
+        batch = self.next_batch()  # an exception ends this call only: the collector keeps what it recorded
+        if batch is None:
+            self.is_done = True
+            if self.on_end is not None:
+                self.on_end()
+            raise StopIteration
+        if self.on_batch is not None:
+            self.on_batch()
+        if self.sink is None:
+            return batch
+        write_to_sink(self.sink, batch)
+        return None
 
 
 class CollectorOptions:

@@ -15,7 +15,7 @@ from ray import cloudpickle  # noqa: E402
 from tokengym.collectors import TokenCollector, TransformersPolicy  # noqa: E402
 from tokengym.collectors.async_collector import AsyncCollector  # noqa: E402
 from tokengym.collectors.ray_collector import RayConfig, RayTokenCollector, cat_batches, worker_seeds  # noqa: E402
-from tokengym.llm_envs import PromptSource, RewardFunctionError, TokenEnv, keys  # noqa: E402
+from tokengym.llm_envs import PromptError, PromptSource, RewardFunctionError, TokenEnv, keys  # noqa: E402
 from tokengym.testing import tiny_model, tiny_tokenizer  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules by name
@@ -271,3 +271,26 @@ def test_trajectory_batches_hold_whole_groups_across_workers():
     split = [g for g, where in counts.items() if len(where) != GROUP or len(set(where)) != 1]
     lengths = {int(n) for b in batches for n in b[keys.MASK].sum(1)}
     assert len(batches) == 10 and len(lengths) > 1 and split == []
+
+
+def make_env_with_a_bad_prompt():
+    items = [*PROMPTS[:5], {"answer": "0"}, *PROMPTS[5:]]  # item 5 has no prompt field: a PromptError on its worker
+    source = PromptSource(items, tiny_tokenizer(), group_size=GROUP, shuffle=True, seed=7, epochs=1)
+    return TokenEnv(source, tiny_tokenizer(), exact_match, batch_size=2, max_new_tokens=4, max_length=32)
+
+
+def test_a_workers_prompt_error_ends_one_next_and_the_same_iterator_goes_on():
+    """The driver's iterator ended at the error (a generator); and the worker, rolled back to its last batch,
+    drew the bad prompt again: the same PromptError at every later call."""
+    with RayTokenCollector(make_env_with_a_bad_prompt, make_policy, num_workers=2, mode="trajectories",
+                           batch_size=4) as collector:  # fmt: skip
+        it = iter(collector)
+        batches = []
+        with pytest.raises(PromptError, match="RayTokenCollector worker [01]: .*prompt item 5 is a mapping"):
+            while True:
+                batches.append(next(it))
+        batches.append(next(it))  # the same iterator goes on
+        batches += list(it)  # with no second error: the worker went on past the prompt
+    rows = _rows(batches)
+    assert sorted((text, s) for _, s, text, _ in rows) == sorted((p["prompt"], s) for p in PROMPTS for s in range(GROUP))
+    assert len({r[3] for r in rows}) == len(rows)  # nothing twice
