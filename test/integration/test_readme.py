@@ -28,7 +28,7 @@ def test_readme_quickstart_runs(capsys):
 
 def test_readme_environments_run(capsys):
     printed = _run("## Environments", capsys)
-    assert [line.split(")")[0] + ")" for line in printed] == ["(8, 16)", "(4, 16)", "(4, 16)"]
+    assert [line.split(")")[0] + ")" for line in printed] == ["(8, 16)", "(4, 64)", "(4, 64)"]
 
 
 def test_readme_overlong_prompts_example_prints_what_the_readme_says(capsys):
