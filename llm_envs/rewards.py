@@ -50,15 +50,23 @@ def _check_number(name: str, value) -> float:
     return float(value)
 
 
-def _unscorable(verifier, name: str, answer: str, err: Exception) -> None:
-    """Count an answer that made ``verifier`` raise (it scores 0) and warn the first time for ``name``.
+class RewardErrors:
+    """Counts model answers a verifier raised on (they score 0) and logs the first one per name.
 
-    A model's output is never bad input (DESIGN.md "Bad input"): ``verifier.counts["reward_errors"]``
-    counts such answers, and the collector copies it into its metrics through ``env.prompt_counts``.
+    A model's output is never bad input (DESIGN.md "Bad input"): :attr:`counts` (``{"reward_errors": n}``)
+    reaches the collector's metrics through ``env.prompt_counts``.
     """
-    verifier.counts[REWARD_ERRORS] += 1
-    if name not in verifier._warned:
-        verifier._warned.add(name)
+
+    def __init__(self) -> None:
+        self.counts = {REWARD_ERRORS: 0}
+        self.warned: set[str] = set()
+
+    def record(self, name: str, answer: str, err: Exception) -> None:
+        """Count ``answer``, which made verifier ``name`` raise ``err``; warn the first time for ``name``."""
+        self.counts[REWARD_ERRORS] += 1
+        if name in self.warned:
+            return
+        self.warned.add(name)
         _log.warning(
             "%s: the verifier raised %s: %.200s on the answer %.200r; such answers score 0 and are counted in "
             "the metrics as %r (only the first of %s is logged)",
@@ -204,8 +212,8 @@ class MathAnswerReward:
         self.correct = _check_number("correct", correct)
         self.wrong = _check_number("wrong", wrong)
         self.verifier, self.timeout_s = verifier, timeout_s
-        self.counts = {REWARD_ERRORS: 0}
-        self._warned: set[str] = set()
+        self.errors = RewardErrors()
+        self.counts = self.errors.counts
 
     def is_correct(self, response: str, answer) -> bool:
         """Whether ``response`` gives ``answer`` (the reference), with this reward's verifier.
@@ -219,7 +227,7 @@ class MathAnswerReward:
         try:
             return self._is_correct(response, answer)
         except Exception as err:  # a model's output never stops a run: it scores `wrong`, counted
-            _unscorable(self, type(self).__name__, response, err)
+            self.errors.record(type(self).__name__, response, err)
             return False
 
     def _is_correct(self, response: str, answer) -> bool:

@@ -25,7 +25,7 @@ import torch
 
 from tokengym.llm_envs.adapters._lazy import require
 from tokengym.llm_envs.gym_adapter import GymTokenEnv
-from tokengym.llm_envs.rewards import REWARD_ERRORS, _unscorable
+from tokengym.llm_envs.rewards import RewardErrors
 from tokengym.llm_envs.tasks._common import require_tokenizer
 from tokengym.llm_envs.token_env import TokenEnv
 
@@ -175,8 +175,8 @@ class ReasoningGymReward:
             raise ValueError(f"answer_tag must be a non-empty string, got {answer_tag!r}")
         self.answer_tag = answer_tag
         self._dataset = None
-        self.counts = {REWARD_ERRORS: 0}
-        self._warned: set[str] = set()  # datasets whose first reward error was logged
+        self.errors = RewardErrors()  # the first error of each dataset is logged
+        self.counts = self.errors.counts
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_dataset": None}
@@ -211,7 +211,7 @@ class ReasoningGymReward:
             if not math.isfinite(value):
                 raise ValueError(f"score_answer returned {value}")
         except Exception as err:  # a model's output never stops a run (DESIGN.md "Bad input")
-            _unscorable(self, self._dataset_name(entry), answer, err)
+            self.errors.record(self._dataset_name(entry), answer, err)
             return 0.0
         return value
 
