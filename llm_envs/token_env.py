@@ -11,12 +11,14 @@ from torchrl.envs import EnvBase
 
 from tokengym.llm_envs import keys
 from tokengym.llm_envs._decode import ResponseDecoder
-from tokengym.llm_envs._env_checks import check_int, check_rewards, check_tokenizer, context_limit, eos_ids
+from tokengym.llm_envs._env_checks import check_int, check_tokenizer, context_limit, eos_ids
 from tokengym.llm_envs._slots import write_prompts
 from tokengym.llm_envs._stop import StopChecker
 from tokengym.llm_envs.errors import PromptError, ResetNeeded, RewardFunctionError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
-from tokengym.llm_envs.trl_rewards import as_reward_fn
+from tokengym.llm_envs.turns.protocol import FinishedTurns, TurnHandler, check_turns
+from tokengym.llm_envs.turns.render import ChatRenderer
+from tokengym.llm_envs.turns.scoring import RewardTurns
 from tokengym.llm_envs.unroll import TurnEnd, WaveSteps, unroll_wave
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
@@ -33,8 +35,15 @@ class TokenEnv(EnvBase):
 
     The observation is O(1) in sequence length (the last token, lengths and ids); the sequence
     itself is written once into a preallocated ``(B, max_length)`` buffer, read through
-    :meth:`history` (a KV-cached policy reads it only when it prefills a slot). Reward comes from
-    ``reward_fn`` at a trajectory's last step, called once per step for all slots that finished in it.
+    :meth:`history` (a KV-cached policy reads it only when it prefills a slot). A turn ends on EOS,
+    a stop string or a limit; what happens then is the env's *turn handler*'s answer
+    (:mod:`~tokengym.llm_envs.turns`), called once per step for all slots whose turn ended: by default
+    ``reward_fn`` scores the response and the episode ends (:class:`~tokengym.llm_envs.turns.RewardTurns`).
+    A handler may answer with feedback messages: the env then writes after the model's tokens, in the
+    same slot, what the tokenizer's chat template writes there for the same conversation (the rest of
+    the assistant turn's close, the messages and the generation prompt) and the episode goes on, up to
+    ``max_turns``. No step is emitted for the env's tokens: ``turn`` increases, ``prompt_len`` moves to the
+    start of the new turn and ``seq_len`` jumps, so a KV-cached policy prefills just the appended tokens.
     Besides stepping, a whole wave of generated tokens enters through :meth:`wave_request` and
     :meth:`unroll`, with the same termination and rewards.
 
@@ -46,6 +55,10 @@ class TokenEnv(EnvBase):
         reward_fn: ``fn(responses, prompts, metadata) -> floats`` (one per finished slot), a TRL reward
             function ``f(prompts, completions, **columns)`` (detected by its ``completions`` parameter and
             called as TRL calls it, see :mod:`~tokengym.llm_envs.trl_rewards`), or ``None``.
+        turns: the turn handler (:class:`~tokengym.llm_envs.turns.TurnHandler`) instead of ``reward_fn``: it
+            scores finished turns and may answer with feedback (multi-turn, tools, external episodes).
+        max_turns: turns per episode (>= 1); a multi-turn env also ends a turn on the chat template's
+            end-of-turn token (unless ``eos_token_ids`` is given).
         batch_size: number of parallel slots ``B``.
         max_new_tokens: generated tokens per trajectory, all its turns together (``truncated`` when reached).
         max_turn_tokens: generated tokens per turn (TRL's per-generation ``max_completion_length``); a turn
@@ -80,6 +93,8 @@ class TokenEnv(EnvBase):
         tokenizer,
         reward_fn: RewardFn | None = None,
         *,
+        turns: TurnHandler | None = None,
+        max_turns: int = 1,
         batch_size: int = 8,
         max_new_tokens: int = 64,
         max_turn_tokens: int | None = None,
@@ -97,8 +112,15 @@ class TokenEnv(EnvBase):
         if max_turn_tokens is not None:
             check_int("max_turn_tokens", max_turn_tokens)
         check_tokenizer(tokenizer)
-        if reward_fn is not None and not callable(reward_fn):
-            raise TypeError(f"reward_fn must be callable(responses, prompts, metadata), got {reward_fn!r}")
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+        if turns is None:
+            turns = RewardTurns(reward_fn)
+        elif reward_fn is not None:
+            raise ValueError("pass reward_fn or turns=, not both: the turn handler rewards (score inside it, or "
+                             "turns=RewardTurns(reward_fn))")  # fmt: skip
+        elif not isinstance(turns, TurnHandler):
+            raise TypeError(f"turns must be a TurnHandler (tokengym.llm_envs.turns), got {type(turns).__name__}")
         super().__init__(batch_size=torch.Size([batch_size]))
         if isinstance(prompts, PromptSource):
             if overlong_prompts != "error":
@@ -108,7 +130,7 @@ class TokenEnv(EnvBase):
         else:
             self.source = PromptSource(prompts, tokenizer, group_size=group_size, shuffle=shuffle, seed=seed,
                                        overlong=overlong_prompts)  # fmt: skip
-        self.tokenizer, self.reward_fn, self.max_new_tokens = tokenizer, as_reward_fn(reward_fn), max_new_tokens
+        self.tokenizer, self.turns, self.max_turns, self.max_new_tokens = tokenizer, turns, max_turns, max_new_tokens
         self.max_turn_tokens = max_turn_tokens
         self.max_length = max_length if max_length is not None else context_limit(tokenizer, model_config)
         check_int("max_length", self.max_length)
@@ -117,7 +139,16 @@ class TokenEnv(EnvBase):
         if model_config is not None and getattr(model_config, "vocab_size", None):
             self.vocab_size = max(self.vocab_size, int(model_config.vocab_size))
         self.eos_token_ids = eos_ids(tokenizer, model_config, eos_token_ids, self.vocab_size)
+        self._renderer = ChatRenderer(tokenizer) if max_turns > 1 else None
+        end_of_turn = None if self._renderer is None else self._renderer.end_of_turn_id
+        if eos_token_ids is None and end_of_turn is not None:
+            self.eos_token_ids = self.eos_token_ids | {end_of_turn}  # the template's end of turn ends a turn
         self._stop = StopChecker(tokenizer, stop_strings, self.vocab_size)
+        self.turn_metrics = {"turns": 0, "feedback_tokens": 0}
+        # full token sequences (prompt, turns, feedback) of finished multi-turn episodes, by trajectory
+        # id, until a collector takes them (bounded: the oldest go first)
+        self._finished: dict[int, torch.Tensor] = {}
+        self.max_finished_sequences = 4096
         self._make_specs()
         self._alloc()
 
@@ -154,15 +185,25 @@ class TokenEnv(EnvBase):
         """The env's configuration as ``repr`` shows it (sizes, limits, prompt source, reward, end ids)."""
         source = self.source
         n = len(source.prompts) if getattr(source, "is_sized", False) else "?"
-        reward = self.reward_fn
         return {
             "batch_size": self.batch_size[0], "group_size": getattr(source, "group_size", 1),
             "max_new_tokens": self.max_new_tokens, "max_turn_tokens": self.max_turn_tokens, "max_length": self.max_length,
             "prompts": f"{type(source).__name__}({n} items)", "vocab_size": self.vocab_size,
             "eos_token_ids": sorted(self.eos_token_ids), "stop_strings": list(self.stop_strings),
             "overlong_prompts": getattr(getattr(source, "overlong", None), "value", None),
-            "reward_fn": None if reward is None else getattr(reward, "__name__", type(reward).__name__),
+            "turns": f"{type(self.turns).__name__}({self.turns.describe()})", "max_turns": self.max_turns,
         }  # fmt: skip
+
+    @property
+    def reward_fn(self):
+        """The reward function of a single-turn env (``None`` when the turn handler is something else)."""
+        return getattr(self.turns, "reward_fn", None)
+
+    @reward_fn.setter
+    def reward_fn(self, fn) -> None:
+        if not isinstance(self.turns, RewardTurns):
+            raise ValueError(f"this env's turns are answered by {type(self.turns).__name__}, not a reward_fn")
+        self.turns = RewardTurns(fn)
 
     # -- public read-only views --
     @property
@@ -190,16 +231,60 @@ class TokenEnv(EnvBase):
         return self._tokens[slot, int(s[keys.PROMPT_LEN][slot]) : int(s[keys.SEQ_LEN][slot])]
 
     def pop_finished_sequences(self) -> dict[int, torch.Tensor]:
-        """Full token ids of episodes finished since the last call, by trajectory id (multi-turn envs;
-        a single-turn sequence is its prompt plus its actions, so this is empty here)."""
-        return _NO_SEQUENCES
+        """Full token ids (prompt, turns, feedback) of the episodes finished since the last call, by trajectory
+        id (multi-turn envs; a single-turn sequence is its prompt plus its actions, so this is empty then)."""
+        if not self._finished:
+            return _NO_SEQUENCES
+        out, self._finished = self._finished, {}
+        return out
+
+    @property
+    def turn_close_ids(self) -> torch.Tensor:
+        """Ids the chat template closes an assistant turn with (empty for a single-turn env or no template)."""
+        return self._renderer.close_ids if self._renderer is not None else torch.zeros(0, dtype=torch.int64)
+
+    def render(self, feedback: str, role: str = "user") -> torch.Tensor:
+        """Token ids of a feedback message plus the generation prompt, as the chat template writes them
+        after an assistant turn (no default system prompt repeated); ``"\n{feedback}\n"`` without a template.
+
+        Example:
+            >>> from tokengym.testing import tiny_tokenizer
+            >>> tok = tiny_tokenizer()
+            >>> env = TokenEnv(["1+1="], tok, max_turns=2, batch_size=1, max_length=64)
+            >>> tok.decode(env.render("again", "user"))
+            '<|user|>again<|end|><|assistant|>'
+        """
+        return self._multi_turn_renderer().render([{"role": role, "content": feedback}]).clone()
+
+    def feedback_ids(self, turn_ids: torch.Tensor, feedback, role: str = "user") -> torch.Tensor:
+        """What the env writes after a finished turn ``turn_ids``: the rest of the template's turn close
+        (:attr:`turn_close_ids` less what the turn already ends with), then the feedback (a text of ``role``
+        or chat messages) and the generation prompt.
+
+        Example:
+            >>> from tokengym.testing import tiny_tokenizer
+            >>> tok = tiny_tokenizer()
+            >>> env = TokenEnv(["1+1="], tok, max_turns=2, batch_size=1, max_length=64)
+            >>> end = tok.convert_tokens_to_ids("<|end|>")
+            >>> tok.decode(env.feedback_ids(torch.tensor([40, end]), "again", "user"))
+            '<|user|>again<|end|><|assistant|>'
+            >>> tok.decode(env.feedback_ids(torch.tensor([40]), "again", "user"))  # ended by a stop string
+            '<|end|><|user|>again<|end|><|assistant|>'
+        """
+        messages = [{"role": role, "content": feedback}] if isinstance(feedback, str) else feedback
+        return self._multi_turn_renderer().feedback_ids(turn_ids, messages)
+
+    def _multi_turn_renderer(self) -> ChatRenderer:
+        if self._renderer is None:
+            raise ValueError("a single-turn env (max_turns=1) writes no feedback; build it with max_turns > 1")
+        return self._renderer
 
     @property
     def prompt_counts(self) -> dict[str, int]:
         """Prompt draws left out (``prompts_skipped_overlong``) or truncated (``prompts_truncated``) so far,
         and the reward function's ``counts`` (``reward_errors``: model answers its verifier raised on, scored 0)."""
         counts = dict(getattr(self.source, "counts", {}))
-        counts.update(getattr(self.reward_fn, "counts", {}))
+        counts.update(getattr(self.turns, "counts", {}))
         return counts
 
     @property
@@ -313,6 +398,16 @@ class TokenEnv(EnvBase):
 
     def refill(self, slots: Iterable[int]) -> TensorDictBase:
         """Load the next prompts into ``slots`` (a partial reset) and return the observation of every slot."""
+        slots = list(slots)
+        held = [p for b in slots if (p := self._prompts[b]) is not None]
+        if held:
+            self.turns.release(held)
+        try:
+            return self._refill(slots)
+        finally:
+            self.turns.refilled([p for p in self._prompts if p is not None])
+
+    def _refill(self, slots: list[int]) -> TensorDictBase:
         self._copy_on_write()
         failed: list[tuple[int, PromptError]] = []
         loaded: list[tuple[int, Prompt]] = []
@@ -345,6 +440,8 @@ class TokenEnv(EnvBase):
     def restart(self, slots: Iterable[int]) -> TensorDictBase:
         """Start the trajectories in ``slots`` over from their prompt, under a new trajectory id (their
         tokens so far are dropped: e.g. in-flight work after a weight update). Returns the observation."""
+        slots = list(slots)
+        self.turns.restart([p for b in slots if (p := self._prompts[b]) is not None])
         self._copy_on_write()
         for b in slots:
             self._rt.done[b] = False
@@ -464,41 +561,83 @@ class TokenEnv(EnvBase):
         s[keys.SEQ_LEN], s[keys.RESPONSE_LEN] = new_len, resp_len
         self._rt.done, self._rt.any_done = done, any_done
 
-    # -- turn ends (overridden by multi-turn envs) --
+    # -- turn ends: the turn handler answers, continuing slots get their feedback --
     def _end_turns(self, ended: torch.Tensor, limited: torch.Tensor, new_len: torch.Tensor, cut: torch.Tensor) -> TurnEnd:
-        """Score the slots whose turn ended (here: the episode ends with it). Raises RewardFunctionError."""
-        limited = limited | cut
-        done = ended | limited
+        """Ask the turn handler about every ended turn; write the feedback of continuing slots after the model's
+        tokens. A turn cut by ``max_turn_tokens`` is answered as any finished turn; an episode ending with it is
+        truncated. Raises RewardFunctionError (nothing written then)."""
         reward = torch.zeros(self.batch_size[0], 1)
-        self._score(done.nonzero().squeeze(-1), new_len, reward)
-        return TurnEnd(terminated=ended, truncated=limited & ~ended, reward=reward)
+        terminated, truncated = ended, (limited | cut) & ~ended
+        finished = (ended | limited | cut).nonzero().squeeze(-1).tolist()
+        if not finished:
+            return TurnEnd(terminated=terminated, truncated=truncated, reward=reward)
+        turns = self._finished_turns(finished, limited, new_len)
+        rewards, results = check_turns(self.turns.end_turns(turns), turns, who=self.turns.name)
+        reward[finished, 0] = rewards
+        if self._renderer is None:
+            return TurnEnd(terminated=terminated, truncated=truncated, reward=reward)
+        appended = self._feedback(turns, results, new_len)
+        if appended:  # continuing slots: not done, their feedback written after the model's tokens
+            terminated, truncated = terminated.clone(), truncated.clone()
+            rows = list(appended)
+            terminated[rows] = truncated[rows] = False
+            ends = new_len.tolist()
+            for b, ids in appended.items():
+                self._tokens[b, ends[b] : ends[b] + len(ids)] = ids
+        self._archive(terminated | truncated, new_len)
+        return TurnEnd(terminated=terminated, truncated=truncated, reward=reward, appended=appended)
+
+    def _finished_turns(self, slots: list[int], limited: torch.Tensor, new_len: torch.Tensor) -> FinishedTurns:
+        s = self._rt.state
+        starts, ends = s[keys.PROMPT_LEN].tolist(), new_len.tolist()  # two reads, not two per slot
+        index = torch.tensor(slots)
+        trajs = s[keys.TRAJ_ID][index].tolist()
+        if self._renderer is None:
+            turns, final = [0] * len(slots), [True] * len(slots)
+        else:
+            turns, is_limited = s[keys.TURN][index].tolist(), limited[index].tolist()
+            final = [lim or t + 1 >= self.max_turns for lim, t in zip(is_limited, turns, strict=True)]
+        return FinishedTurns(slots, turns, [self._prompts[b] for b in slots], [self._tokens[b, starts[b] : ends[b]] for b in slots],
+                             final, trajs, decode=self.decode_responses, history=lambda b: self._tokens[b, : ends[b]])  # fmt: skip
+
+    def _feedback(self, turns: FinishedTurns, results: list, new_len: torch.Tensor) -> dict[int, torch.Tensor]:
+        """The ids to append per continuing slot: feedback given, the episode not over, and it fits."""
+        appended, ends = {}, new_len.tolist()
+        for i, (b, result) in enumerate(zip(turns.slots, results, strict=True)):
+            if result.is_done or turns.is_final[i]:
+                continue
+            ids = self._renderer.feedback_ids(turns.response_ids[i], result.messages())
+            if ends[b] + len(ids) + 1 <= self.max_length:  # else the feedback does not fit: the episode ends here
+                appended[b] = ids
+        return appended
+
+    def _archive(self, done: torch.Tensor, new_len: torch.Tensor) -> None:
+        slots = done.nonzero().squeeze(-1)
+        if not len(slots):
+            return
+        trajs, ends = self._rt.state[keys.TRAJ_ID][slots].tolist(), new_len[slots].tolist()
+        rows = self._tokens[slots, : max(ends)]  # one gather (a copy), then views of it
+        for i, (traj, end) in enumerate(zip(trajs, ends, strict=True)):
+            if len(self._finished) >= self.max_finished_sequences:
+                self._finished.pop(next(iter(self._finished)))
+            self._finished[traj] = rows[i, :end]
 
     def _continue_turns(self, appended: dict[int, torch.Tensor], new_len: torch.Tensor) -> None:
-        """Move continuing slots to their next turn (multi-turn envs); nothing continues here."""
-
-    def _score(self, slots: torch.Tensor, new_len: torch.Tensor, reward: torch.Tensor) -> None:
-        if self.reward_fn is None:
+        """Move continuing slots to their next turn: lengths past the feedback, the turn counter up."""
+        if not appended:
             return
-        slots = slots.tolist()
-        starts, ends = self._rt.state[keys.PROMPT_LEN].tolist(), new_len.tolist()  # two reads, not two per slot
-        ids = [self._tokens[b, starts[b] : ends[b]] for b in slots]
-        # a reward function declaring ``takes_token_ids = True`` gets the response ids, undecoded
-        responses = ids if getattr(self.reward_fn, "takes_token_ids", False) else self.decode_responses(ids)
-        prompts = [self._prompts[b] for b in slots]
-        trl = {}  # a TRL-style reward function also gets the completion ids and the chat messages, as in TRL
-        if getattr(self.reward_fn, "use_trl_inputs", False):
-            trl = {"completion_ids": [self._tokens[b, starts[b] : ends[b]].tolist() for b in slots],
-                   "chat_prompts": [p.messages for p in prompts]}  # fmt: skip
-        try:
-            values = self.reward_fn(responses, [p.text for p in prompts], [p.metadata for p in prompts], **trl)
-        except Exception as err:
-            first = prompts[0]
-            raise RewardFunctionError(
-                f"reward_fn raised {type(err).__name__}: {err} while scoring slots {slots} "
-                f"(first: prompt {first.index} {first.text[:60]!r}, trajectory {int(self._rt.state[keys.TRAJ_ID][slots[0]])}); "
-                "the env state is unchanged, fix the reward function and step again"
-            ) from err
-        reward[slots, 0] = check_rewards(values, slots, prompts)
+        s = self._rt.state
+        s[keys.SEQ_LEN], s[keys.TOKEN] = s[keys.SEQ_LEN].clone(), s[keys.TOKEN].clone()
+        s[keys.PROMPT_LEN], s[keys.TURN] = s[keys.PROMPT_LEN].clone(), s[keys.TURN].clone()
+        slots = torch.tensor(list(appended), dtype=torch.int64)
+        sizes = torch.tensor([len(ids) for ids in appended.values()], dtype=torch.int64)
+        end = new_len[slots] + sizes
+        s[keys.SEQ_LEN][slots] = end
+        s[keys.PROMPT_LEN][slots] = end
+        s[keys.TOKEN][slots] = torch.stack([ids[-1] for ids in appended.values()])
+        s[keys.TURN][slots] += 1
+        self.turn_metrics["feedback_tokens"] += int(sizes.sum())
+        self.turn_metrics["turns"] += len(appended)
 
     def decode_responses(self, rows: list[torch.Tensor]) -> list[str]:
         """The text of response id rows, as ``tokenizer.batch_decode(rows, skip_special_tokens=True)`` gives it
@@ -550,6 +689,11 @@ class TokenEnv(EnvBase):
         self._commit(steps.last_action, steps.in_wave, steps.new_len, steps.resp_len, done, any_done=bool(done.any()))
         self._continue_turns(end.appended, steps.new_len)
         return steps.to_tensordict(end, self._rt.state, width)
+
+    def close(self, *, raise_if_closed: bool = True) -> None:
+        """Close the env and its turn handler (external episodes ended, sessions closed)."""
+        self.turns.close()
+        super().close(raise_if_closed=raise_if_closed)
 
     def _unroll_rules(self):
         return dict(eos=self._eos, stop=self._stop, max_new_tokens=self.max_new_tokens, max_length=self.max_length,

@@ -102,3 +102,55 @@ def test_imports_go_one_way(path):
             target = node.module.split(".")[1]
             if target in PACKAGES:
                 assert PACKAGES[target] <= level, f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}"
+
+
+def _classes():
+    """Every class of ours: name -> (module path, base names, private names it defines, `self._x` uses)."""
+    out = {}
+    for path in MODULES:
+        for node in ast.walk(_tree(path)):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = [b.id if isinstance(b, ast.Name) else b.attr for b in node.bases if isinstance(b, ast.Name | ast.Attribute)]
+            defined, used = set(), []
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef) and sub.name.startswith("_"):
+                    defined.add(sub.name)
+                    if not sub.name.startswith("__"):
+                        used.append((sub.name, sub.lineno))  # an override of a parent's private hook counts too
+                elif isinstance(sub, ast.Assign | ast.AnnAssign):
+                    for target in sub.targets if isinstance(sub, ast.Assign) else [sub.target]:
+                        for t in ast.walk(target):
+                            if isinstance(t, ast.Name) and t.id.startswith("_"):
+                                defined.add(t.id)  # a class attribute
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls")
+                        and sub.attr.startswith("_") and not sub.attr.startswith("__")):  # fmt: skip
+                    used.append((sub.attr, sub.lineno))
+                    if isinstance(sub.ctx, ast.Store):
+                        defined.add(sub.attr)
+            out.setdefault(node.name, (path, bases, defined, used))
+    return out
+
+
+def test_no_class_reaches_into_a_parent_of_another_module():
+    """A subclass uses only its own private members or those of parents in its own module: extending a class
+    of another module goes through its public methods (or composition: a turn handler, a policy)."""
+    classes = _classes()
+    offences = []
+    for name, (path, bases, _defined, used) in classes.items():
+        inherited = {}  # private name -> module of the parent defining it
+        todo = list(bases)
+        while todo:
+            base = todo.pop()
+            if base not in classes:
+                continue
+            bpath, bbases, bdefined, _ = classes[base]
+            for attr in bdefined:
+                inherited.setdefault(attr, bpath)
+            todo += bbases
+        for attr, line in used:
+            owner = inherited.get(attr)
+            if owner is not None and owner != path:
+                offences.append(f"{path.relative_to(ROOT)}:{line} {name} uses .{attr} of a parent in {owner.relative_to(ROOT)}")
+    assert not offences, "private members of a parent class of another module:\n" + "\n".join(sorted(set(offences)))
+

@@ -201,7 +201,7 @@ class GAEAdvantage(BatchTransform):
         self.normalize = bool(normalize)
         self.masked_steps = MaskedSteps.parse(masked_steps)
 
-    def _apply_batch(self, td: TensorDictBase) -> TensorDictBase:
+    def transform_batch(self, td: TensorDictBase) -> TensorDictBase:
         owner = type(self).__name__
         compact, stop, has_next = _episode_ends(td, owner, self.masked_steps)
         mask = compact.mask
@@ -253,7 +253,7 @@ class DiscountedReturns(BatchTransform):
         self.normalize = bool(normalize)
         self.masked_steps = MaskedSteps.parse(masked_steps)
 
-    def _apply_batch(self, td: TensorDictBase) -> TensorDictBase:
+    def transform_batch(self, td: TensorDictBase) -> TensorDictBase:
         owner = type(self).__name__
         compact, stop, _ = _episode_ends(td, owner, self.masked_steps)
         mask = compact.mask

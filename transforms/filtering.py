@@ -69,7 +69,7 @@ class ZeroStdGroupFilter(BatchTransform):
         """``{"filtered_fraction": ...}`` of the last batch."""
         return {"filtered_fraction": self.filtered_fraction}
 
-    def _apply_batch(self, td: TensorDictBase) -> TensorDictBase:
+    def transform_batch(self, td: TensorDictBase) -> TensorDictBase:
         owner = type(self).__name__
         if self.mode is FilterMode.DROP:
             check_trajectory_rows(td, owner)
@@ -160,7 +160,7 @@ class ClipFilterLikeWeights(BatchTransform):
         super().__init__(in_keys=[reward_key, keys.GROUP_ID, keys.TRAJ_ID, keys.DONE, keys.RESPONSE_LEN],
                          out_keys=[keys.LOSS_WEIGHT])  # fmt: skip
 
-    def _apply_batch(self, td: TensorDictBase) -> TensorDictBase:
+    def transform_batch(self, td: TensorDictBase) -> TensorDictBase:
         seq, scores, groups = sequence_scores(td, reward_key=self.reward_key, owner=type(self).__name__)
         weights = clip_filter_like_weights(scores, groups, clip_eps=self.clip_eps, lamda=self.lamda)
         valid = seq >= 0
@@ -212,7 +212,7 @@ class RatioWindowWeights(BatchTransform):
         self.log_prob_key, self.behaviour_key = log_prob_key, behaviour_key
         super().__init__(in_keys=[log_prob_key, behaviour_key], out_keys=[keys.LOSS_WEIGHT])
 
-    def _apply_batch(self, td: TensorDictBase) -> TensorDictBase:
+    def transform_batch(self, td: TensorDictBase) -> TensorDictBase:
         owner = type(self).__name__
         mask = valid_mask(td)
         lp = squeeze_last(require(td, self.log_prob_key, owner), mask.shape)

@@ -168,7 +168,7 @@ class GroupAdvantage(BatchTransform):
         self.group_size, self.use_partial_groups = group_size, bool(use_partial_groups)
         self.reward_key = reward_key
 
-    def _apply_batch(self, td: TensorDictBase) -> TensorDictBase:
+    def transform_batch(self, td: TensorDictBase) -> TensorDictBase:
         owner = type(self).__name__
         seq, scores, groups = sequence_scores(td, reward_key=self.reward_key, owner=owner)
         if not self.use_partial_groups and len(groups):

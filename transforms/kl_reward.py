@@ -195,7 +195,7 @@ class KLRewardTransform(BatchTransform):
         reward_td.set(kl_key, penalty)
         reward_td.set(reward_key, reward + penalty)
 
-    def _apply_batch(self, td: TensorDictBase, prompts: PromptTable | None = None) -> TensorDictBase:
+    def transform_batch(self, td: TensorDictBase, prompts: PromptTable | None = None) -> TensorDictBase:
         name = type(self).__name__
         mask = valid_mask(td)
         active = td.get(keys.ACTIVE, None)
@@ -216,7 +216,7 @@ class KLRewardTransform(BatchTransform):
     def forward(self, tensordict: TensorDictBase, prompts: PromptTable | None = None) -> TensorDictBase:
         """Shape the rewards of a collected batch [N, T] in place, update the controller, return it."""
         check_batch(tensordict, type(self).__name__, self.in_keys)
-        return self._apply_batch(tensordict, prompts)
+        return self.transform_batch(tensordict, prompts)
 
     @torch.no_grad()
     def _update_controller(self, td: TensorDictBase, kl: torch.Tensor, mask: torch.Tensor) -> None:

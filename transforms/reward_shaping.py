@@ -48,7 +48,7 @@ class _DoneStepShaping(BatchTransform):
         new = self._new_reward(root, nxt, reward).to(reward.dtype)
         nxt.set(_inner(keys.REWARD), torch.where(where, new, reward))
 
-    def _apply_batch(self, td: TensorDictBase) -> TensorDictBase:
+    def transform_batch(self, td: TensorDictBase) -> TensorDictBase:
         self._shape(td, td.get(keys.REWARD[0]), valid_mask(td), True)
         return td
 

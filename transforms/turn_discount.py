@@ -46,7 +46,7 @@ class TurnDiscount(BatchTransform):
                          out_keys=[keys.REWARD])  # fmt: skip
         self.gamma = check_number("gamma", gamma, low=0.0, high=1.0)
 
-    def _apply_batch(self, td: TensorDictBase) -> TensorDictBase:
+    def transform_batch(self, td: TensorDictBase) -> TensorDictBase:
         owner = type(self).__name__
         seq, mask, num = sequence_index(td, owner)
         check_complete(td, seq, mask, num, owner)

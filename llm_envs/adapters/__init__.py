@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gymnasium
 
-from tokengym.llm_envs.adapters._episodes import EpisodeError, EpisodeTokenEnv, Outcome
+from tokengym.llm_envs.adapters._episodes import EpisodeBackend, EpisodeError, EpisodeTokenEnv, EpisodeTurns
 from tokengym.llm_envs.adapters.openenv import OpenEnvBackend, make_openenv_env
 from tokengym.llm_envs.adapters.reasoning_gym import (
     ReasoningGymReward,
@@ -23,7 +23,8 @@ __all__ = [
     "EpisodeError",
     "EpisodeTokenEnv",
     "OpenEnvBackend",
-    "Outcome",
+    "EpisodeBackend",
+    "EpisodeTurns",
     "ReasoningGymReward",
     "TextArenaEnv",
     "TextEnvBackend",

@@ -1,25 +1,27 @@
 """External episodes behind a multi-turn token env: one episode (a server session, an env instance) per slot.
 
 A backend runs the episodes: ``start`` opens one and gives its first observation (the prompt),
-``step`` answers finished turns (several episodes at once), ``end`` releases one. The env's prompt
-source starts an episode whenever a slot needs a prompt; the env's ``turn_fn`` steps the episodes of
-the finished turns; refilling a slot ends the episode it held. An episode whose backend fails ends
-there with reward 0 and its error is raised at the slot's refill as an :class:`EpisodeError` (through
-the collector's usual ``PromptError`` path: the step is recorded, iterating again goes on).
+``step`` answers finished turns (several episodes at once) with a :class:`~tokengym.llm_envs.turns.Turn` each
+(reward, the observation as feedback with its role, done), ``end`` releases one. The env's prompt source
+(:class:`EpisodeSource`) starts an episode whenever a slot needs a prompt; the env's turn handler
+(:class:`EpisodeTurns`) steps the episodes of the finished turns and ends the episode a slot held when the
+slot is refilled. An episode whose backend fails ends there with reward 0 and its error is raised at the
+slot's refill as an :class:`EpisodeError` (through the collector's usual ``PromptError`` path: the step is
+recorded, iterating again goes on).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Protocol
 
 from tokengym.llm_envs.errors import PromptError
-from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
 from tokengym.llm_envs.prompts import Prompt, PromptSource
+from tokengym.llm_envs.token_env import TokenEnv
+from tokengym.llm_envs.turns.protocol import FinishedTurns, Turn, TurnHandler
 
-__all__ = ["EpisodeBackend", "EpisodeError", "EpisodeSource", "EpisodeTokenEnv", "EpisodeTurns", "Outcome"]
+__all__ = ["EpisodeBackend", "EpisodeError", "EpisodeSource", "EpisodeTokenEnv", "EpisodeTurns"]
 
 EPISODE = "episode"  # prompt-metadata fields: the episode id, its reset seed and where it runs
 SEED = "seed"
@@ -30,23 +32,15 @@ class EpisodeError(PromptError):
     """An external episode failed (its session, server or env instance); only that episode ended."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """What an episode answered to one turn: the observation text, the turn's reward and whether it is over."""
-
-    observation: str
-    reward: float
-    done: bool
-
-
 class EpisodeBackend(Protocol):
     """Runs external episodes for an :class:`EpisodeTokenEnv`."""
 
     def start(self, episode: int, seed: int) -> str:
         """Open episode ``episode`` (reset with ``seed``) and return its first observation as text."""
 
-    def step(self, episodes: list[int], actions: list[str]) -> list[Outcome | Exception]:
-        """One turn of each episode; a failure is returned (not raised) in that episode's place."""
+    def step(self, episodes: list[int], actions: list[str]) -> list[Turn | Exception]:
+        """One turn of each episode: ``Turn(reward, observation, role=..., done=...)``; a failure is returned
+        (not raised) in that episode's place."""
 
     def end(self, episode: int) -> None:
         """Release the episode (idempotent; unknown ids are ignored)."""
@@ -141,47 +135,75 @@ class EpisodeSource(PromptSource):
         self.failures.clear()
 
 
-class EpisodeTurns:
-    """The ``turn_fn`` of an :class:`EpisodeTokenEnv`: steps each finished turn's episode with the response text.
+class EpisodeTurns(TurnHandler):
+    """The turn handler of an :class:`EpisodeTokenEnv`: steps each finished turn's episode with the response text.
 
-    The step's reward is the turn's reward; the observation is the next user message unless the
-    episode is done. A failed step ends the episode with reward 0 and queues an :class:`EpisodeError`.
+    The backend's :class:`Turn` is the answer (its observation is the next message unless the episode is
+    done). A failed step ends the episode with reward 0 and queues an :class:`EpisodeError`. A slot's
+    episode ends when the slot is refilled or the env closes; a restarted slot's episode is reset again.
     """
 
     def __init__(self, source: EpisodeSource, *, max_turns: int, action_fn: Callable[[str], str] | None = None) -> None:
+        if action_fn is not None and not callable(action_fn):
+            raise TypeError(f"action_fn must be callable(text) -> action text, got {action_fn!r}")
         self.source, self.backend, self.max_turns, self.action_fn = source, source.backend, max_turns, action_fn
 
-    def __call__(self, responses, prompts, metadata, turns) -> list[Turn]:
-        episodes = [int(m[EPISODE]) for m in metadata]
-        actions = [self.action_fn(r) if self.action_fn else r for r in responses]
-        outcomes = self.backend.step(episodes, actions)
+    def describe(self) -> str:
+        return self.backend.where()
+
+    def end_turns(self, turns: FinishedTurns) -> list[Turn]:
+        episodes = [int(m[EPISODE]) for m in turns.metadata]
+        actions = [self.action_fn(r) if self.action_fn else r for r in turns.responses]
+        answers = self.backend.step(episodes, actions)
         out = []
-        for g, turn, outcome in zip(episodes, turns, outcomes, strict=True):
-            if isinstance(outcome, Exception):
+        for g, turn, final, answer in zip(episodes, turns.turns, turns.is_final, answers, strict=True):
+            if isinstance(answer, Exception):
                 self.backend.end(g)
                 self.source.failures.append(EpisodeError(
-                    f"episode {g} failed at turn {turn} on {self.backend.where(g)}: {type(outcome).__name__}: "
-                    f"{outcome}; it ended there with reward 0, the other episodes go on"))  # fmt: skip
+                    f"episode {g} failed at turn {turn} on {self.backend.where(g)}: {type(answer).__name__}: "
+                    f"{answer}; it ended there with reward 0, the other episodes go on"))  # fmt: skip
                 out.append(Turn(0.0))
                 continue
-            if outcome.done or turn + 1 >= self.max_turns:
+            if answer.is_done or final or turn + 1 >= self.max_turns:
                 self.backend.end(g)
-            out.append(Turn(float(outcome.reward), None if outcome.done else outcome.observation))
+            out.append(answer)
         return out
 
+    def release(self, prompts: list[Prompt]) -> None:
+        for prompt in prompts:
+            self.backend.end(int(prompt.metadata[EPISODE]))
 
-class EpisodeTokenEnv(MultiTurnTokenEnv):
-    """A :class:`MultiTurnTokenEnv` whose slots each hold one external episode (see the module docstring).
+    def refilled(self, held: list[Prompt]) -> None:
+        # an episode whose prompt the env rejected (too long, say) holds no slot: release it
+        kept = {int(p.metadata[EPISODE]) for p in held}
+        for g in set(self.backend.live) - kept:
+            self.backend.end(g)
 
-    Args:
+    def restart(self, prompts: list[Prompt]) -> None:
+        for prompt in prompts:
+            g = int(prompt.metadata[EPISODE])
+            self.backend.end(g)
+            try:
+                self.backend.start(g, int(prompt.metadata[SEED]))
+            except Exception as err:  # the episode's next turn finds no session and ends with an error
+                self.source.failures.append(EpisodeError(f"episode {g} could not restart on {self.backend.where(g)}: "
+                                                         f"{type(err).__name__}: {err}"))  # fmt: skip
+
+    def close(self) -> None:
+        self.backend.end_all()
+
+
+class EpisodeTokenEnv(TokenEnv):
+    """``TokenEnv(EpisodeSource(backend), tokenizer, turns=EpisodeTurns(...))``: one external episode per slot.
+
+    See the module docstring. Args:
         backend: runs the episodes.
         tokenizer: as for :class:`~tokengym.llm_envs.token_env.TokenEnv`.
         max_turns: turns per episode (the env ends an episode after it even if the backend goes on).
         num_episodes: episodes to run (``None``: endless).
         system_prompt: a system message before the first observation.
         action_fn: maps a turn's response text to the action text (default: the text itself).
-        **kwargs: the other :class:`MultiTurnTokenEnv` arguments (``group_size`` must be 1: every
-            slot is its own episode).
+        **kwargs: the other :class:`TokenEnv` arguments (``group_size`` must be 1: every slot is its own episode).
     """
 
     def __init__(self, backend: EpisodeBackend, tokenizer, *, max_turns: int = 4, num_episodes: int | None = None,
@@ -190,45 +212,8 @@ class EpisodeTokenEnv(MultiTurnTokenEnv):
             raise ValueError(f"group_size must be 1 for external episodes (each slot runs its own episode), "
                              f"got {kwargs['group_size']!r}; give each episode its own seed instead")  # fmt: skip
         kwargs.pop("group_size", None)
-        if action_fn is not None and not callable(action_fn):
-            raise TypeError(f"action_fn must be callable(text) -> action text, got {action_fn!r}")
         source = EpisodeSource(backend, tokenizer, num_episodes=num_episodes, seed=kwargs.pop("seed", 0),
                                system_prompt=system_prompt)  # fmt: skip
-        turn_fn = EpisodeTurns(source, max_turns=max_turns, action_fn=action_fn)
-        super().__init__(source, tokenizer, turn_fn, max_turns=max_turns, **kwargs)
+        turns = EpisodeTurns(source, max_turns=max_turns, action_fn=action_fn)
+        super().__init__(source, tokenizer, turns=turns, max_turns=max_turns, **kwargs)
         self.backend = backend
-
-    def refill(self, slots: Iterable[int]):
-        """End the episodes the slots held, then load the next episodes' prompts (see ``TokenEnv.refill``)."""
-        slots = list(slots)
-        for b in slots:
-            prompt = self.slot_prompt(b)
-            if prompt is not None:
-                self.backend.end(int(prompt.metadata[EPISODE]))
-        try:
-            return super().refill(slots)
-        finally:  # an episode whose prompt the env rejected (too long, say) holds no slot: release it
-            held = {int(p.metadata[EPISODE]) for b in range(self.batch_size[0]) if (p := self.slot_prompt(b))}
-            for g in set(self.backend.live) - held:
-                self.backend.end(g)
-
-    def restart(self, slots: Iterable[int]):
-        """Start the slots' episodes over: each is reset again with its seed (see ``TokenEnv.restart``)."""
-        slots = list(slots)
-        for b in slots:
-            prompt = self.slot_prompt(b)
-            if prompt is None:
-                continue
-            g = int(prompt.metadata[EPISODE])
-            self.backend.end(g)
-            try:
-                self.backend.start(g, int(prompt.metadata[SEED]))
-            except Exception as err:  # the episode's next turn finds no session and ends with an error
-                self.source.failures.append(EpisodeError(f"episode {g} could not restart on {self.backend.where(g)}: "
-                                                         f"{type(err).__name__}: {err}"))  # fmt: skip
-        return super().restart(slots)
-
-    def close(self, *, raise_if_closed: bool = True) -> None:
-        """End every episode (sessions closed, env instances released), then close the env."""
-        self.backend.end_all()
-        super().close(raise_if_closed=raise_if_closed)

@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv, Outcome
+from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv
 from tokengym.llm_envs.adapters._ws import Session, fetch_json, parse_step, session_urls
 from tokengym.llm_envs.tasks._common import require_tokenizer
+from tokengym.llm_envs.turns.protocol import Turn
 
 __all__ = ["OpenEnvBackend", "make_openenv_env", "render_observation"]
 
@@ -107,9 +108,9 @@ class OpenEnvBackend:
         obs, _, _ = parse_step(session.receive(), f"{self.where()} (episode {episode}, reset)")
         return self.render(obs)
 
-    def step(self, episodes: list[int], actions: list[str]) -> list[Outcome | Exception]:
+    def step(self, episodes: list[int], actions: list[str]) -> list[Turn | Exception]:
         field = self.find_action_field()
-        out: list[Outcome | Exception | None] = [None] * len(episodes)
+        out: list[Turn | Exception | None] = [None] * len(episodes)
         for i, (g, text) in enumerate(zip(episodes, actions, strict=True)):  # all steps go out first...
             session = self._sessions.get(g)
             if session is None:
@@ -124,7 +125,7 @@ class OpenEnvBackend:
                 continue
             try:
                 obs, reward, done = parse_step(self._sessions[g].receive(), f"{self.where()} (episode {g})")
-                out[i] = Outcome(self.render(obs), reward, done)
+                out[i] = Turn(reward, self.render(obs), done=bool(done))
             except Exception as err:  # noqa: BLE001
                 out[i] = err
         return out

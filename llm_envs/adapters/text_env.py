@@ -29,8 +29,9 @@ from collections.abc import Callable
 
 import torch  # noqa: F401  (the example uses it)
 
-from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv, Outcome
+from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv
 from tokengym.llm_envs.tasks._common import require_tokenizer
+from tokengym.llm_envs.turns.protocol import Turn
 
 __all__ = ["TextEnvBackend", "make_text_env"]
 
@@ -82,8 +83,8 @@ class TextEnvBackend:
             raise TypeError(f"{self.name}.reset(seed=...) must return (observation, info), got {out!r:.80}")
         return self.render(out[0])
 
-    def step(self, episodes: list[int], actions: list[str]) -> list[Outcome | Exception]:
-        out: list[Outcome | Exception] = []
+    def step(self, episodes: list[int], actions: list[str]) -> list[Turn | Exception]:
+        out: list[Turn | Exception] = []
         for g, text in zip(episodes, actions, strict=True):
             env = self._live.get(g)
             if env is None:
@@ -95,8 +96,9 @@ class TextEnvBackend:
                 if not (isinstance(result, tuple) and len(result) == 5):
                     raise TypeError(f"step(text) must return (observation, reward, terminated, truncated, info), "
                                     f"got {result!r:.80}")  # fmt: skip
-                obs, reward, terminated, truncated, _ = result
-                out.append(Outcome(self.render(obs), float(reward), bool(terminated) or bool(truncated)))
+                obs, reward, terminated, truncated, info = result
+                role = info.get("role", "user") if isinstance(info, dict) else "user"  # e.g. "tool" for a tool result
+                out.append(Turn(float(reward), self.render(obs), role=role, done=bool(terminated) or bool(truncated)))
             except Exception as err:  # noqa: BLE001  (the episode ends with this error; the others go on)
                 out.append(err)
         return out

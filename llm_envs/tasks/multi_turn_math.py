@@ -37,7 +37,7 @@ class MultiTurnMathFeedback:
     Example:
         >>> fn = MultiTurnMathFeedback()
         >>> fn(["12", "The answer is 19"], ["12+7="] * 2, [{"answer": "19"}] * 2, [0, 1])
-        [Turn(reward=0.0, feedback='Your answer is wrong. Please check your work and try again.', role='user'), Turn(reward=1.0, feedback=None, role='user')]
+        [Turn(reward=0.0, feedback='Your answer is wrong. Please check your work and try again.', role='user', done=None), Turn(reward=1.0, feedback=None, role='user', done=None)]
     """
 
     def __init__(self, *, correct: float = 1.0, wrong: float = 0.0, feedback: str = WRONG_FEEDBACK) -> None:

@@ -7,16 +7,17 @@ The tool's result comes back as the next message with role ``"tool"``: ``"<outpu
 
 from __future__ import annotations
 
-from tokengym.llm_envs.multi_turn_env import Turn, TurnFn
 from tokengym.llm_envs.tools.calls import find_tool_call
 from tokengym.llm_envs.tools.escaping import escape_special_tokens, special_token_strings
 from tokengym.llm_envs.tools.registry import ToolRegistry
+from tokengym.llm_envs.turns.feedback import FeedbackTurns, TurnFn
+from tokengym.llm_envs.turns.protocol import Turn
 
 __all__ = ["ToolTurns"]
 
 
-class ToolTurns:
-    """A ``turn_fn`` that runs tool calls and delegates other turns to ``answer_turn_fn``.
+class ToolTurns(FeedbackTurns):
+    """A turn handler (and ``turn_fn``) that runs tool calls and delegates other turns to ``answer_turn_fn``.
 
     A response containing ``<tool>`` gives ``Turn(tool_reward, feedback=result, role="tool")``; the
     episode goes on (until ``max_turns``). Other responses are scored by ``answer_turn_fn`` (called
@@ -32,7 +33,7 @@ class ToolTurns:
     Example:
         >>> fn = ToolTurns(ToolRegistry.default(), lambda r, p, m, t: [Turn(1.0) for _ in r])
         >>> fn(["<tool>calculator: 6*7</tool>", "42"], ["q", "q"], [{}, {}], [0, 1])
-        [Turn(reward=0.0, feedback='42', role='tool'), Turn(reward=1.0, feedback=None, role='user')]
+        [Turn(reward=0.0, feedback='42', role='tool', done=None), Turn(reward=1.0, feedback=None, role='user', done=None)]
     """
 
     def __init__(self, registry: ToolRegistry, answer_turn_fn: TurnFn, *, tool_reward: float = 0.0,
@@ -41,12 +42,17 @@ class ToolTurns:
             raise TypeError(f"registry must be a ToolRegistry, got {type(registry).__name__}")
         if not callable(answer_turn_fn):
             raise TypeError(f"answer_turn_fn must be callable(responses, prompts, metadata, turns), got {answer_turn_fn!r}")
+        super().__init__(self)  # a handler whose turn function is its own __call__
         self.registry, self.answer_turn_fn, self.tool_reward = registry, answer_turn_fn, float(tool_reward)
         self.special_tokens = None if tokenizer is None else special_token_strings(tokenizer)
 
     @property
     def metrics(self) -> dict:
+        """The tool registry's call counts."""
         return self.registry.metrics
+
+    def describe(self) -> str:
+        return "tools"
 
     def __call__(self, responses, prompts, metadata, turns) -> list[Turn]:
         out: list[Turn | None] = [None] * len(responses)

@@ -99,12 +99,12 @@ def test_pad_ids_are_explicit_or_the_env_tokenizers(tokenizer, model):
 def test_reprs_show_the_configuration(tokenizer, model):
     env = TokenEnv(["1+1=", "2+3="], tokenizer, MathAnswerReward(), batch_size=4, group_size=2, max_new_tokens=4,
                    max_length=32, model_config=model.config)  # fmt: skip
-    assert repr(env) == ("TokenEnv(batch_size=4, group_size=2, max_new_tokens=4, max_length=32, "
+    assert repr(env) == ("TokenEnv(batch_size=4, group_size=2, max_new_tokens=4, max_turn_tokens=None, max_length=32, "
                          f"prompts=PromptSource(2 items), vocab_size={env.vocab_size}, "
                          f"eos_token_ids=[{tokenizer.eos_token_id}], stop_strings=[], overlong_prompts='error', "
-                         "reward_fn=MathAnswerReward)")  # fmt: skip
+                         "turns=RewardTurns(MathAnswerReward), max_turns=1)")  # fmt: skip
     multi = make_multi_turn_math_env(tokenizer=tokenizer, batch_size=2, n_prompts=4)
-    assert repr(multi).startswith("MultiTurnTokenEnv(batch_size=2,") and "turn_fn=MultiTurnMathFeedback, max_turns=3)" in repr(multi)
+    assert repr(multi).startswith("MultiTurnTokenEnv(batch_size=2,") and "turns=FeedbackTurns(MultiTurnMathFeedback), max_turns=3)" in repr(multi)
     collector = TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=4, total_steps=20)
     assert repr(collector) == (f"TokenCollector(mode='trajectories', batch_size=4, total_steps=20, source='step', "
                                f"policy=TransformersPolicy(version=0), env={env!r}, steps_done=0)")  # fmt: skip

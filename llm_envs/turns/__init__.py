@@ -1,0 +1,12 @@
+"""Turn handlers: what a :class:`~tokengym.llm_envs.TokenEnv` does when a slot's turn ends.
+
+See :mod:`~tokengym.llm_envs.turns.protocol` for the protocol; the handlers here are single-turn scoring
+(:class:`RewardTurns`) and feedback turns (:class:`FeedbackTurns`); tool turns live in
+:mod:`tokengym.llm_envs.tools`, external episodes in :mod:`tokengym.llm_envs.adapters`.
+"""
+
+from tokengym.llm_envs.turns.feedback import FeedbackTurns, TurnFn
+from tokengym.llm_envs.turns.protocol import FinishedTurns, Turn, TurnHandler
+from tokengym.llm_envs.turns.scoring import RewardTurns
+
+__all__ = ["FeedbackTurns", "FinishedTurns", "RewardTurns", "Turn", "TurnFn", "TurnHandler"]

@@ -1,0 +1,180 @@
+"""The turn-handler protocol: what a :class:`~tokengym.llm_envs.TokenEnv` asks when turns end, and the answer.
+
+A ``TokenEnv`` owns its slots (tokens, lengths, ids, budgets, termination). What happens when a slot's
+turn ends is decided by the env's *turn handler*: the env hands it the finished turns of one step (or
+one wave) as a :class:`FinishedTurns` batch and gets back one :class:`Turn` per slot. The env then
+writes the reward at the turn's last token and, for a turn that continues the episode, appends the
+feedback messages after the model's tokens as the tokenizer's chat template writes them.
+
+Handlers are composed into the env, never subclassed from it, and read the env only through
+:class:`FinishedTurns`. Single-turn scoring, feedback turns, tool turns and external episodes are
+handlers (:mod:`tokengym.llm_envs.turns`); a new kind of turn (a game, an agent program) is one more::
+
+    class Countdown(TurnHandler):
+        def end_turns(self, turns):
+            return [Turn(1.0 if "42" in r else 0.0, feedback=None if t == 2 else "again")
+                    for r, t in zip(turns.responses, turns.turns)]
+
+    env = TokenEnv(prompts, tokenizer, turns=Countdown(), max_turns=3)
+
+Lifecycle hooks (optional, no-ops in :class:`TurnHandler`): :meth:`TurnHandler.release` before slots
+drop what they held (refill, reset), :meth:`TurnHandler.refilled` after a refill, :meth:`TurnHandler.restart`
+before slots start their trajectories over, :meth:`TurnHandler.close` with the env. A handler that
+serves its own prompts (an external episode's first observation) gives them through the env's prompt
+source, as :mod:`tokengym.llm_envs.adapters` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from tokengym.llm_envs.errors import RewardFunctionError
+from tokengym.llm_envs.prompts import Prompt
+
+__all__ = ["FinishedTurns", "Turn", "TurnHandler", "check_turns"]
+
+Message = Mapping[str, str]  # {"role": ..., "content": ...}
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """What the environment answers to one finished turn: the one result type of every turn handler.
+
+    Attributes:
+        reward: reward of this turn, given at its last token (finite).
+        feedback: the env's answer, appended in the slot before the model's next turn: a text (one message
+            of ``role``) or chat messages (``[{"role": "tool", "content": ...}, ...]``); ``None``: no answer.
+        role: chat role of a text ``feedback`` (``"user"``, or ``"tool"`` for a tool result).
+        done: whether the episode ends with this turn; ``None`` (default): it ends when there is no feedback.
+            The env also ends it at ``max_turns``, at the episode budget and when the feedback does not fit.
+
+    Example:
+        >>> Turn(1.0).is_done, Turn(0.0, "try again").is_done, Turn(0.5, "ok", done=True).is_done
+        (True, False, True)
+    """
+
+    reward: float
+    feedback: str | Sequence[Message] | None = None
+    role: str = "user"
+    done: bool | None = None
+
+    @property
+    def is_done(self) -> bool:
+        """True when the episode ends with this turn (as far as the handler is concerned)."""
+        return self.feedback is None if self.done is None else bool(self.done)
+
+    def messages(self) -> list[dict]:
+        """The feedback as chat messages (``[]`` without feedback)."""
+        if self.feedback is None:
+            return []
+        if isinstance(self.feedback, str):
+            return [{"role": self.role, "content": self.feedback}]
+        return [dict(m) for m in self.feedback]
+
+
+class FinishedTurns:
+    """The turns that ended in one env step or wave, as a turn handler sees them (read-only).
+
+    Every list is in the order of :attr:`slots`; the handler answers with one :class:`Turn` per entry.
+
+    Attributes:
+        slots: the env slots whose turn ended.
+        turns: each slot's turn index (0 for the first turn of an episode).
+        prompts: the :class:`~tokengym.llm_envs.prompts.Prompt` each slot works on (``text``, ``metadata``...).
+        response_ids: the ids the model generated in this turn (views: do not write).
+        is_final: True where the episode ends whatever the handler answers (its budget, the context limit
+            or ``max_turns`` reached): its feedback would not be written.
+        trajectories: each slot's trajectory id.
+    """
+
+    def __init__(self, slots: list[int], turns: list[int], prompts: list[Prompt], response_ids: list[torch.Tensor],
+                 is_final: list[bool], trajectories: list[int], *, decode: Callable[[list[torch.Tensor]], list[str]],
+                 history: Callable[[int], torch.Tensor]) -> None:  # fmt: skip
+        self.slots, self.turns, self.prompts, self.response_ids = slots, turns, prompts, response_ids
+        self.is_final, self.trajectories = is_final, trajectories
+        self._decode, self._history, self._responses = decode, history, None
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def responses(self) -> list[str]:
+        """The text of each turn (decoded once, vectorized, on first use)."""
+        if self._responses is None:
+            self._responses = self._decode(self.response_ids)
+        return self._responses
+
+    @property
+    def metadata(self) -> list[dict]:
+        """Each prompt's metadata (the dataset columns beside the prompt)."""
+        return [p.metadata for p in self.prompts]
+
+    def history(self, i: int) -> torch.Tensor:
+        """All token ids of entry ``i``'s slot so far (prompt, earlier turns and feedback, this turn): a view."""
+        return self._history(self.slots[i])
+
+    def describe(self, i: int = 0) -> str:
+        """Entry ``i`` for an error message: prompt index and text, trajectory."""
+        p = self.prompts[i]
+        return f"prompt {p.index} {p.text[:60]!r}, trajectory {self.trajectories[i]}"
+
+
+class TurnHandler:
+    """Base of turn handlers: :meth:`end_turns` answers finished turns; the hooks default to doing nothing.
+
+    A handler never reads the env's private state: what it needs is in :class:`FinishedTurns`, and the
+    hooks get the prompts the slots held.
+    """
+
+    name = "the turn handler"  # what error messages call the handler's answers
+
+    def end_turns(self, turns: FinishedTurns) -> Sequence[Turn]:
+        """One :class:`Turn` per finished turn, in the order of ``turns.slots``.
+
+        Raising ends nothing: the env rolls the step back and raises a ``RewardFunctionError`` naming the
+        slots; a model's output is never a reason to raise (score it 0).
+        """
+        raise NotImplementedError
+
+    def release(self, prompts: list[Prompt]) -> None:
+        """The slots holding ``prompts`` drop them (refilled with new prompts, or reset)."""
+
+    def refilled(self, held: list[Prompt]) -> None:
+        """After a refill: the prompts every slot now holds."""
+
+    def restart(self, prompts: list[Prompt]) -> None:
+        """The slots holding ``prompts`` start their trajectories over from the prompt."""
+
+    def close(self) -> None:
+        """The env closes: release what the handler holds (sessions, processes)."""
+
+    def describe(self) -> str:
+        """A short name for the env's ``repr``."""
+        return type(self).__name__
+
+
+def check_turns(results, turns: FinishedTurns, *, who: str = "the turn handler") -> tuple[torch.Tensor, list[Turn]]:
+    """Check a handler's answer: one :class:`Turn` with a finite reward per finished turn.
+
+    Returns ``(rewards (n,) float32, turns as a list)``; raises :class:`RewardFunctionError` naming the slot.
+    """
+    results = list(results)
+    if len(results) != len(turns) or not all(isinstance(r, Turn) for r in results):
+        raise RewardFunctionError(
+            f"{who} must return one Turn per finished slot ({len(turns)} for slots {turns.slots}), got {results!r:.120}"
+        )
+    try:
+        # detached: a reward function's autograd graph must not reach the collected batch
+        rewards = torch.as_tensor([r.reward for r in results], dtype=torch.float32).detach().reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise RewardFunctionError(f"{who} gave rewards that are not numbers for slots {turns.slots}: {err}") from err
+    if not bool(torch.isfinite(rewards).all()):
+        bad = int((~torch.isfinite(rewards)).nonzero()[0])
+        raise RewardFunctionError(
+            f"{who} gave reward {rewards[bad].item()} for slot {turns.slots[bad]}; rewards must be finite "
+            f"({turns.describe(bad)})"
+        )
+    return rewards, results

@@ -1,0 +1,69 @@
+"""Single-turn scoring: a reward function scores each finished response and the episode ends."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokengym.llm_envs._env_checks import check_rewards
+from tokengym.llm_envs.errors import RewardFunctionError
+from tokengym.llm_envs.trl_rewards import as_reward_fn
+from tokengym.llm_envs.turns.protocol import FinishedTurns, Turn, TurnHandler
+
+__all__ = ["RewardTurns"]
+
+
+class RewardTurns(TurnHandler):
+    """The turn handler of a single-turn env: ``reward_fn(responses, prompts, metadata)`` scores, the episode ends.
+
+    ``reward_fn`` is called once per step (or wave) for all finished slots. A TRL reward function
+    ``f(prompts, completions, **columns)`` is detected and called as TRL calls it
+    (:mod:`~tokengym.llm_envs.trl_rewards`); one declaring ``takes_token_ids = True`` gets the response ids,
+    undecoded. ``None`` scores 0.
+
+    Example:
+        >>> from tokengym.llm_envs.turns.protocol import FinishedTurns
+        >>> from tokengym.llm_envs.prompts import Prompt
+        >>> import torch
+        >>> turns = FinishedTurns([0], [0], [Prompt(torch.tensor([1]), "q", {}, 0, 0, 0)], [torch.tensor([5])], [True],
+        ...                       [0], decode=lambda rows: ["42"], history=lambda b: torch.tensor([1, 5]))
+        >>> RewardTurns(lambda r, p, m: [float(x == "42") for x in r]).end_turns(turns)
+        [Turn(reward=1.0, feedback=None, role='user', done=None)]
+    """
+
+    name = "reward_fn"
+
+    def __init__(self, reward_fn=None) -> None:
+        if reward_fn is not None and not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable(responses, prompts, metadata), got {reward_fn!r}")
+        self.reward_fn = as_reward_fn(reward_fn)
+
+    @property
+    def counts(self) -> dict:
+        """The reward function's own counts (e.g. ``reward_errors`` of a verifier), if it keeps any."""
+        return dict(getattr(self.reward_fn, "counts", {}))
+
+    def describe(self) -> str:
+        fn = self.reward_fn
+        return "None" if fn is None else getattr(fn, "__name__", type(fn).__name__)
+
+    def end_turns(self, turns: FinishedTurns) -> Sequence[Turn]:
+        fn = self.reward_fn
+        if fn is None:
+            return [_ZERO] * len(turns)
+        ids = turns.response_ids
+        responses = ids if getattr(fn, "takes_token_ids", False) else turns.responses
+        prompts = turns.prompts
+        trl = {}  # a TRL-style reward function also gets the completion ids and the chat messages, as in TRL
+        if getattr(fn, "use_trl_inputs", False):
+            trl = {"completion_ids": [row.tolist() for row in ids], "chat_prompts": [p.messages for p in prompts]}
+        try:
+            values = fn(responses, [p.text for p in prompts], [p.metadata for p in prompts], **trl)
+        except Exception as err:
+            raise RewardFunctionError(
+                f"reward_fn raised {type(err).__name__}: {err} while scoring slots {turns.slots} "
+                f"(first: {turns.describe()}); the env state is unchanged, fix the reward function and step again"
+            ) from err
+        return [Turn(v) for v in check_rewards(values, turns.slots, prompts).tolist()]
+
+
+_ZERO = Turn(0.0)
