@@ -170,17 +170,18 @@ def unroll_wave(wave: WaveSteps, state: dict, tokens: torch.Tensor, rules: dict)
             cand = real[:, j] & ~terminated[:, j]
             if bool(cand.any()):
                 terminated[:, j] |= stop.hits(tokens, actions[:, j], cand, p_len, pos[:, j] + 1)
-    limit = ((resp0[:, None] + t + 1) >= rules["max_new_tokens"]) | (pos + 1 >= rules["max_length"])
-    cut = torch.zeros_like(limit)
+    budget = ((resp0[:, None] + t + 1) >= rules["max_new_tokens"]) | (pos + 1 >= rules["max_length"])
+    cut = torch.zeros_like(budget)
     if rules.get("max_turn_tokens") is not None:  # the turn's own limit: the turn ends, the episode may go on
-        cut = (pos + 1 - p_len[:, None] >= rules["max_turn_tokens"]) & ~limit
-    limit |= (t + 1 >= wave.lengths[:, None]) & ~cut  # the backend stopped: truncated unless the env ended the turn
-    end = _first_true(terminated | ((limit | cut) & real)).clamp(max=T - 1)
+        cut = (pos + 1 - p_len[:, None] >= rules["max_turn_tokens"]) & ~budget
+    stopped = (t + 1 >= wave.lengths[:, None]) & ~cut  # the backend stopped: truncated unless the env ended the turn
+    end = _first_true(terminated | ((budget | cut | stopped) & real)).clamp(max=T - 1)
     idx = torch.arange(B)
     wave.end = torch.where(in_wave, end, torch.zeros_like(end))
     wave.ended = in_wave & terminated[idx, wave.end]
     wave.cut = in_wave & ~wave.ended & cut[idx, wave.end]
-    wave.limited = in_wave & ~wave.ended & ~wave.cut
+    # as stepping has it: the budget flag stands even where EOS came on the last token (the episode cannot go on)
+    wave.limited = in_wave & (budget[idx, wave.end] | (~wave.ended & ~wave.cut))
     wave.new_len = torch.where(in_wave, seq0 + wave.end + 1, seq0)
     wave.resp_len = torch.where(in_wave, resp0 + wave.end + 1, resp0)
     wave.last_action = torch.where(in_wave, actions[idx, wave.end], state[keys.TOKEN])
