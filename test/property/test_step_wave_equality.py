@@ -54,7 +54,7 @@ class ScriptedPolicy:
 
 
 def _feedback(responses, prompts, metadata, turns):
-    return [Turn(0.5 + len(r) % 3, "again") if t == 0 else Turn(float(len(r) % 2)) for r, t in zip(responses, turns)]
+    return [Turn(0.5 + len(r) % 3, "again") if t == 0 else Turn(float(len(r) % 2)) for r, t in zip(responses, turns, strict=True)]
 
 
 def _trajectories(source: str, B: int, turns: int, max_new: int, turn_limit, p_end: int, n: int) -> dict:
