@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from tensordict import TensorDictBase
 
 from tokengym.llm_envs import keys
 
-__all__ = ["batch_metrics"]
+__all__ = ["batch_metrics", "collector_metrics"]
+
+_NAN = float("nan")
 
 
-def batch_metrics(batch: TensorDictBase, elapsed: float, version: int, steps: int, *,
+def batch_metrics(batch: TensorDictBase | None, elapsed: float, version: int, steps: int, *,
                   is_last_step_only: bool = False) -> dict[str, float]:  # fmt: skip
-    """Reward mean/std, zero-std groups, response lengths, truncation, KL, tokens/s and version lag."""
+    """Reward mean/std, zero-std groups, response lengths, truncation, KL, tokens/s and version lag.
+
+    ``batch=None`` (no batch yet) gives the same keys: zeros, and NaN where no value exists (the rewards
+    and lengths of a batch with no finished trajectory, ``kl_mean`` of a batch without ``keys.KL``).
+    """
+    out = {"tokens": 0, "tokens_per_s": 0.0, "finished": 0, "policy_version": version, "steps": steps,
+           "staleness_mean": 0.0, "staleness_max": 0.0, "mean_reward": _NAN, "reward_std": _NAN,
+           "mean_response_len": _NAN, "max_response_len": _NAN, "truncated_fraction": _NAN,
+           "zero_std_group_fraction": _NAN, "kl_mean": _NAN}  # fmt: skip
+    if batch is None:
+        return out
     mask = batch.get(keys.MASK) if not is_last_step_only else torch.ones(batch.shape, dtype=torch.bool)
     done = batch.get(keys.DONE).squeeze(-1) & mask
     n_done = int(done.sum())
@@ -20,17 +34,10 @@ def batch_metrics(batch: TensorDictBase, elapsed: float, version: int, steps: in
     reward = batch.get(keys.REWARD_RAW if keys.REWARD_RAW in names else keys.REWARD).squeeze(-1)
     tokens = int(batch.get(keys.MASK).sum()) if not is_last_step_only else int(batch.get(keys.RESPONSE_LEN).sum() + n_done)
     versions, n_valid = batch.get(keys.POLICY_VERSION), int(mask.sum())
-    out = {
-        "tokens": tokens,
-        "tokens_per_s": tokens / max(elapsed, 1e-9),
-        "finished": n_done,
-        "policy_version": version,
-        "steps": steps,
-        # reductions over the mask, not a boolean-indexed copy of the versions
-        "staleness_mean": float(version - (versions * mask).sum(dtype=torch.float64) / n_valid) if n_valid else 0.0,
-        "staleness_max": float(version - torch.where(mask, versions, version).min()) if n_valid else 0.0,
-    }
-    nan = float("nan")
+    out.update(tokens=tokens, tokens_per_s=tokens / max(elapsed, 1e-9), finished=n_done)
+    if n_valid:  # reductions over the mask, not a boolean-indexed copy of the versions
+        out.update(staleness_mean=float(version - (versions * mask).sum(dtype=torch.float64) / n_valid),
+                   staleness_max=float(version - torch.where(mask, versions, version).min()))  # fmt: skip
     if n_done:
         at = done.nonzero(as_tuple=True)  # once: each boolean index would resolve the mask again
         final = reward[at].double()
@@ -41,11 +48,23 @@ def batch_metrics(batch: TensorDictBase, elapsed: float, version: int, steps: in
                    mean_response_len=float(resp.mean()), max_response_len=float(resp.max()),
                    truncated_fraction=float(truncated.float().mean()),
                    zero_std_group_fraction=_zero_std_fraction(final, groups))  # fmt: skip
-    else:
-        out.update(mean_reward=nan, reward_std=nan, mean_response_len=nan, max_response_len=nan,
-                   truncated_fraction=nan, zero_std_group_fraction=nan)  # fmt: skip
     if keys.KL in names:
         out["kl_mean"] = float(batch.get(keys.KL)[mask].float().mean())
+    return out
+
+
+def collector_metrics(batch: TensorDictBase | None, elapsed: float, version: int, steps: int, *,
+                      is_last_step_only: bool = False, counts: tuple[Mapping, ...] = (),
+                      postproc=None) -> dict[str, float]:  # fmt: skip
+    """A collector's ``metrics``: :func:`batch_metrics`, then each mapping of ``counts`` (counters), then
+    ``postproc.metrics()`` when the postproc has it. ``batch=None`` gives the metrics before the first
+    batch, with the keys every batch's metrics has."""
+    out = batch_metrics(batch, elapsed, version, steps, is_last_step_only=is_last_step_only)
+    for part in counts:
+        out.update(part)
+    extra = getattr(postproc, "metrics", None)
+    if callable(extra):
+        out.update(extra())
     return out
 
 

@@ -75,7 +75,6 @@ class AsyncCollector:
             raise TypeError(f"collector must be a TokenCollector or a RayTokenCollector, got {type(collector).__name__}")
         self.collector, self.max_staleness = collector, max_staleness
         self.version = _version_of(collector)
-        self.metrics: dict = {}
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()  # (batch, collector metrics) collected ahead
         self._requested = self._started = 0
@@ -83,6 +82,7 @@ class AsyncCollector:
         self._is_done = self._is_stopping = self._is_paused = self._is_busy = False
         self._error: BaseException | None = None
         self.counters = {"dropped_tokens": 0, "dropped_stale_groups": 0, "collector_wait_s": 0.0, "trainer_wait_s": 0.0}
+        self.metrics = self._metrics(dict(getattr(collector, "metrics", {})))  # every key from the start
 
     # -- the background thread --
     def _produce(self) -> None:
@@ -148,7 +148,7 @@ class AsyncCollector:
             raise inner  # the collector failed this batch and went on: the next call gives the next one
         batch, dropped = self._drop_stale(batch)
         self.counters["dropped_tokens"] += dropped
-        self._update_metrics(batch, inner)
+        self.metrics = self._metrics(inner, batch)
         return batch
 
     def _drop_stale(self, batch: TensorDictBase) -> tuple[TensorDictBase, int]:
@@ -173,15 +173,18 @@ class AsyncCollector:
         batch.set(keys.MASK, mask & ~stale)  # STEPS: a slot row holds several trajectories; mask the stale steps
         return batch, n
 
-    def _update_metrics(self, batch: TensorDictBase, inner: dict) -> None:
-        mask = batch.get(keys.MASK)
-        lag = (self.version - batch.get(keys.POLICY_VERSION)[mask]).float()
-        self.metrics = dict(inner)
-        self.metrics.update(self.counters)
-        self.metrics.update(policy_version=self.version, tokens=int(mask.sum()),
-                            staleness_mean=float(lag.mean()) if lag.numel() else 0.0,
-                            staleness_max=float(lag.max()) if lag.numel() else 0.0,
-                            dropped_tokens=self.counters["dropped_tokens"] + int(inner.get("dropped_tokens", 0)))  # fmt: skip
+    def _metrics(self, inner: dict, batch: TensorDictBase | None = None) -> dict[str, float]:
+        """The collector's metrics ``inner`` of ``batch`` with the staleness against the current version and
+        this collector's counters; ``batch=None`` gives those before the first batch (the same keys)."""
+        mask = None if batch is None else batch.get(keys.MASK)
+        lag = torch.zeros(0) if batch is None else (self.version - batch.get(keys.POLICY_VERSION)[mask]).float()
+        out = dict(inner)
+        out.update(self.counters)
+        out.update(policy_version=self.version, tokens=0 if mask is None else int(mask.sum()),
+                   staleness_mean=float(lag.mean()) if lag.numel() else 0.0,
+                   staleness_max=float(lag.max()) if lag.numel() else 0.0,
+                   dropped_tokens=self.counters["dropped_tokens"] + int(inner.get("dropped_tokens", 0)))  # fmt: skip
+        return out
 
     def update_policy_weights_(self, policy_or_weights=None, *, weights=None) -> int:
         """Publish new weights (a state_dict, a TensorDict of weights or the trained module); collection goes on

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from tensordict import TensorDictBase
 
-from tokengym.collectors._metrics import batch_metrics
+from tokengym.collectors._metrics import collector_metrics
 from tokengym.collectors._ray_worker import (
     CollectorWorker,
     PackedState,
@@ -133,7 +133,6 @@ class RayTokenCollector:
                        for _ in range(num_workers)]  # fmt: skip
         self._lock = threading.RLock()
         self._is_ray_owner, self._actor_cls = False, None
-        self.metrics: dict = {}
         self.restarts = [0] * num_workers
         self.version, self._weights_ref, self._env_seed = 0, None, None
         self._start_ray()
@@ -148,6 +147,7 @@ class RayTokenCollector:
         except Exception:
             self.shutdown()
             raise
+        self.metrics = self._metrics(None, [])  # every key from the start: a logger sees the same columns throughout
         self._committed = [w.state_dict.options(**_COLLECT).remote() for w in self.workers]
         self._latest = list(self._committed)  # state after the last batch received (restart point)
         self._pending: dict[int, tuple] = {}  # worker -> (result ref, state ref) in flight
@@ -268,16 +268,16 @@ class RayTokenCollector:
     def _finish(self, batch: TensorDictBase, worker_metrics: list[dict], start: float) -> TensorDictBase:
         if self.postproc is not None:
             batch = self.postproc(batch)
-        elapsed = time.perf_counter() - start
-        steps = sum(int(m["steps"]) for m in worker_metrics)
-        is_last = batch.batch_dims == 1
-        self.metrics = batch_metrics(batch, elapsed, self.version, steps, is_last_step_only=is_last)
-        self.metrics.update(workers=len(worker_metrics), restarts=sum(self.restarts),
-                            dropped_tokens=sum(int(m.get("dropped_tokens", 0)) for m in worker_metrics))  # fmt: skip
-        extra = getattr(self.postproc, "metrics", None)
-        if callable(extra):
-            self.metrics.update(extra())
+        self.metrics = self._metrics(batch, worker_metrics, time.perf_counter() - start)
         return batch
+
+    def _metrics(self, batch: TensorDictBase | None, worker_metrics: list[dict], elapsed: float = 0.0) -> dict[str, float]:
+        """The metrics of a combined batch; ``None`` gives those before the first batch (the same keys)."""
+        counts = {"workers": len(worker_metrics), "restarts": sum(self.restarts),
+                  "dropped_tokens": sum(int(m.get("dropped_tokens", 0)) for m in worker_metrics)}  # fmt: skip
+        return collector_metrics(batch, elapsed, self.version, sum(int(m["steps"]) for m in worker_metrics),
+                                 is_last_step_only=batch is not None and batch.batch_dims == 1, counts=(counts,),
+                                 postproc=self.postproc)  # fmt: skip
 
     # -- weights --
     def update_policy_weights_(self, policy_or_weights=None, *, weights=None) -> int:

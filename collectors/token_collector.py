@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDictBase
 
 from tokengym.collectors._checkpoint import collector_state, load_collector_state
-from tokengym.collectors._metrics import batch_metrics
+from tokengym.collectors._metrics import collector_metrics
 from tokengym.collectors.policies.protocol import as_token_policy, check_policy_env
 from tokengym.collectors.recorders import Step, StepRecorder, TrajectoryRecorder
 from tokengym.collectors.sinks import write_to_sink
@@ -53,7 +53,9 @@ class TokenCollector:
     as TorchRL does, a frame being one env step of one slot (one token position): ``frames_per_batch=40``
     with 4 slots gives (4, 10) ``STEPS`` batches, ``total_frames`` stops after that many slot steps.
     ``frames_per_batch`` does not apply to ``TRAJECTORIES`` batches (their size is a number of
-    trajectories: ``batch_size``).
+    trajectories: ``batch_size``). ``metrics`` holds the last batch's metrics (rewards, lengths,
+    staleness, tokens/s, counters); before the first batch it has the same keys, zeros and NaN where
+    no value exists yet.
 
     Args:
         env: a :class:`~tokengym.llm_envs.TokenEnv` (or a ``TransformedEnv`` of one).
@@ -127,7 +129,7 @@ class TokenCollector:
             self.source.width = base.max_new_tokens  # waves come as wide as the batches: no padding copy
         if self.source.kind == "step":  # a stepping policy reads its env's tokens: another env fails here
             check_policy_env(policy, env)
-        self.steps_done, self.metrics, self.is_started = 0, {}, False
+        self.steps_done, self.is_started = 0, False
         self.prompts = PromptTable(pad_token_id=base.tokenizer.pad_token_id)  # the layouts pad with it
         self.pending: dict | None = None  # steps of a wave that did not fit into the last batch
         self._lock = threading.Lock()
@@ -137,6 +139,7 @@ class TokenCollector:
         self.num_threads = torch.get_num_threads()
         self.counters = {"dropped_tokens": 0, "weight_updates": 0, "failed_prompts": 0}
         self.recorder = self.new_recorder()
+        self.metrics = self._metrics(None)  # every key from the start: a logger sees the same columns throughout
 
     def new_recorder(self) -> StepRecorder | TrajectoryRecorder:
         if self.mode is CollectMode.STEPS:
@@ -211,19 +214,19 @@ class TokenCollector:
             batch = batch[torch.arange(batch.shape[0]), last]
         if self.postproc is not None:
             batch = self.postproc(batch)
-        self.metrics = batch_metrics(batch, time.perf_counter() - start, self.policy.version, self.steps_done,
-                                     is_last_step_only=self.options.is_last_step_only)  # fmt: skip
-        self.metrics.update(self.counters)
-        self.metrics.update(self.base_env.prompt_counts)  # over-long prompts skipped / truncated
-        if isinstance(self.recorder, TrajectoryRecorder):
-            self.metrics.update(self.recorder.counters, waiting_trajectories=self.recorder.num_waiting)
-        extra = getattr(self.postproc, "metrics", None)
-        if callable(extra):
-            self.metrics.update(extra())
+        self.metrics = self._metrics(batch, time.perf_counter() - start)
         if self.logger is not None:
             for name, value in self.metrics.items():
                 self.logger.log_scalar(name, float(value), step=self.steps_done)
         return batch
+
+    def _metrics(self, batch: TensorDictBase | None, elapsed: float = 0.0) -> dict[str, float]:
+        """The metrics of ``batch``; ``None`` gives those before the first batch (the same keys)."""
+        counts = [self.counters, self.base_env.prompt_counts]  # prompt counts: over-long prompts skipped / truncated
+        if isinstance(self.recorder, TrajectoryRecorder):
+            counts += [self.recorder.counters, {"waiting_trajectories": self.recorder.num_waiting}]
+        return collector_metrics(batch, elapsed, self.policy.version, self.steps_done, counts=tuple(counts),
+                                 is_last_step_only=self.options.is_last_step_only, postproc=self.postproc)  # fmt: skip
 
     def _add_prompts(self, batch: TensorDictBase) -> None:
         mask, traj = batch.get(keys.MASK), batch.get(keys.TRAJ_ID)

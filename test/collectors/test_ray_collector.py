@@ -294,3 +294,12 @@ def test_a_workers_prompt_error_ends_one_next_and_the_same_iterator_goes_on():
     rows = _rows(batches)
     assert sorted((text, s) for _, s, text, _ in rows) == sorted((p["prompt"], s) for p in PROMPTS for s in range(GROUP))
     assert len({r[3] for r in rows}) == len(rows)  # nothing twice
+
+
+@pytest.mark.parametrize(("mode", "batch_size"), [("steps", 3), ("trajectories", 4)])
+def test_metrics_have_every_key_before_the_first_batch(mode, batch_size):
+    with RayTokenCollector(make_env, make_policy, num_workers=2, mode=mode, batch_size=batch_size) as collector:
+        before = dict(collector.metrics)  # was {} until a round succeeded
+        assert before["workers"] == before["tokens"] == before["restarts"] == 0
+        next(iter(collector))
+        assert set(collector.metrics) == set(before) and collector.metrics["workers"] == 2
