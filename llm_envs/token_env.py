@@ -19,7 +19,7 @@ from tokengym.llm_envs.prompts import Prompt, PromptSource
 from tokengym.llm_envs.turns.protocol import FinishedTurns, TurnHandler, check_turns
 from tokengym.llm_envs.turns.render import ChatRenderer
 from tokengym.llm_envs.turns.scoring import RewardTurns
-from tokengym.llm_envs.unroll import TurnEnd, WaveSteps, unroll_wave
+from tokengym.llm_envs.unroll import TurnEnd, WaveSteps, is_any, unroll_wave
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["TokenEnv", "RewardFn"]
@@ -163,6 +163,8 @@ class TokenEnv(EnvBase):
     def _alloc(self) -> None:
         B = self.batch_size[0]
         self._tokens = torch.zeros(B, self.max_length, dtype=torch.int64)  # (B, L) the sequences, written once
+        self._flat = self._tokens.view(-1)  # the same buffer, indexed by row * L + position (one index, no pairs)
+        self._row_start = torch.arange(B) * self.max_length
         # plain attributes of a plain object: nn.Module.__setattr__ costs microseconds per step
         self._rt = _Runtime()
         self._rt.state = {k: torch.zeros(B, dtype=torch.bool if k == keys.ACTIVE else torch.int64) for k in _STATE}
@@ -317,6 +319,7 @@ class TokenEnv(EnvBase):
         self._tokens.copy_(state["tokens"])
         for k, v in state["state"].items():
             self._rt.state[k] = v.clone()
+        self._rt.deadline = None
         self._rt.done = state["done"].clone()
         self._rt.any_done = bool(self._rt.done.any())
         self._rt.is_reset, self._rt.next_traj = state["is_reset"], state["next_traj"]
@@ -455,7 +458,8 @@ class TokenEnv(EnvBase):
         return self._observation(self._rt.done.unsqueeze(-1).clone(), zeros, zeros.clone())
 
     def _copy_on_write(self) -> None:
-        # tensors handed out by earlier steps are never mutated
+        # tensors handed out by earlier steps are never mutated; slots change: the step's deadlines are recomputed
+        self._rt.deadline = None
         self._rt.state = {k: v.clone() for k, v in self._rt.state.items()}
         self._rt.done = self._rt.done.clone()
 
@@ -497,13 +501,14 @@ class TokenEnv(EnvBase):
         return action
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        action, active, previous, new_len, resp_len, ended, limited, cut = self._advance(tensordict)
+        action, active, previous, new_len, resp_len, ended, hit = self._advance(tensordict)
         B = self.batch_size[0]
-        if not bool((ended | limited | cut).any()):  # the common step: no turn ends, nothing to score
+        if not bool((ended | hit).any()):  # the common step: no turn ends, nothing to score
             flags = torch.zeros(3, B, 1, dtype=torch.bool).unbind(0)
             self._commit(action, active, new_len, resp_len, flags[0].view(B), any_done=False)
             self._rt.flags = flags
             return self._observation(*flags, torch.zeros(B, 1))
+        limited, cut = self._split_limits(hit, ended, new_len)
         try:
             end = self._end_turns(ended, limited, new_len, cut)
         except RewardFunctionError:
@@ -518,32 +523,48 @@ class TokenEnv(EnvBase):
     def _advance(self, tensordict: TensorDictBase):
         """Validate the action, write it into the token buffer and find the slots whose turn ended.
 
-        Returns ``(action, active, previous, new_len, resp_len, ended, limited, cut)``: ``ended`` marks an
-        EOS / stop string, ``limited`` the trajectory's budget or context limit (a truncation unless ``ended``),
-        ``cut`` the turn's limit ``max_turn_tokens`` (only where neither of the others).
+        Returns ``(action, active, previous, new_len, resp_len, ended, hit)``: ``ended`` marks an EOS / stop
+        string, ``hit`` a limit reached (:meth:`_split_limits` tells which).
         """
         if not self._rt.is_reset:
             raise ResetNeeded("TokenEnv was stepped before reset(); call env.reset() first")
         action = self._check_action(tensordict.get(keys.ACTION))
-        s = self._rt.state
+        s, rt = self._rt.state, self._rt
         active = s[keys.ACTIVE]
         self._check_not_done(active)
+        if rt.deadline is None:
+            self._set_deadlines()
         seq_len = s[keys.SEQ_LEN]
-        previous = self._tokens[self._arange, seq_len]
-        self._tokens[self._arange, seq_len] = torch.where(active, action, previous)
-        new_len, resp_len = seq_len + active, s[keys.RESPONSE_LEN] + active
-        ended = active & torch.isin(action, self._eos)
+        pos = self._row_start + seq_len
+        previous = self._flat[pos]  # kept for a rollback
+        self._flat.index_copy_(0, pos, action if rt.all_active else torch.where(active, action, previous))
+        if rt.all_active:
+            new_len, resp_len = seq_len + 1, s[keys.RESPONSE_LEN] + 1
+            ended = is_any(action, self._eos)
+        else:
+            new_len, resp_len = seq_len + active, s[keys.RESPONSE_LEN] + active
+            ended = active & is_any(action, self._eos)
         if self._stop.is_enabled:
             ended |= self._stop.hits(self._tokens, action, active & ~ended, s[keys.PROMPT_LEN], new_len)
-        limited = active & ((resp_len >= self.max_new_tokens) | (new_len >= self.max_length))
-        cut = self._turn_cut(active & ~ended & ~limited, new_len)
-        return action, active, previous, new_len, resp_len, ended, limited, cut
+        hit = active & (new_len >= rt.deadline)  # a budget, the context or the turn limit reached
+        return action, active, previous, new_len, resp_len, ended, hit
 
-    def _turn_cut(self, candidates: torch.Tensor, new_len: torch.Tensor) -> torch.Tensor:
-        """Slots among ``candidates`` whose turn reached ``max_turn_tokens`` at length ``new_len``."""
+    def _set_deadlines(self) -> None:
+        """The length at which each slot reaches a limit (its budget, the context, its turn's limit): a step and a
+        wave add as many tokens to ``seq_len`` as to ``response_len``, so it moves only when slots change."""
+        s, rt = self._rt.state, self._rt
+        budget = torch.clamp(s[keys.SEQ_LEN] - s[keys.RESPONSE_LEN] + self.max_new_tokens, max=self.max_length)
+        rt.budget_deadline = budget
+        rt.deadline = budget if self.max_turn_tokens is None else torch.minimum(budget, s[keys.PROMPT_LEN] + self.max_turn_tokens)
+        rt.all_active = bool(s[keys.ACTIVE].all())
+
+    def _split_limits(self, hit: torch.Tensor, ended: torch.Tensor, new_len: torch.Tensor):
+        """``(limited, cut)`` of the slots that reached a limit: the trajectory's budget or the context
+        (a truncation unless ``ended``), or only the turn's ``max_turn_tokens`` (where nothing else ended it)."""
         if self.max_turn_tokens is None:
-            return torch.zeros_like(candidates)
-        return candidates & (new_len - self._rt.state[keys.PROMPT_LEN] >= self.max_turn_tokens)
+            return hit, torch.zeros_like(hit)
+        limited = hit & (new_len >= self._rt.budget_deadline)
+        return limited, hit & ~limited & ~ended
 
     def _check_not_done(self, active: torch.Tensor) -> None:
         if self._rt.any_done and bool((self._rt.done & active).any()):
@@ -552,12 +573,12 @@ class TokenEnv(EnvBase):
 
     def _rollback(self, previous: torch.Tensor) -> None:
         """Undo :meth:`_advance`'s write: a failed step leaves no trace."""
-        self._tokens[self._arange, self._rt.state[keys.SEQ_LEN]] = previous
+        self._flat.index_copy_(0, self._row_start + self._rt.state[keys.SEQ_LEN], previous)
 
     def _commit(self, action, active, new_len, resp_len, done, *, any_done: bool) -> None:
         """Make the step the env's state (only after every user callback succeeded)."""
         s = self._rt.state
-        s[keys.TOKEN] = torch.where(active, action, s[keys.TOKEN])
+        s[keys.TOKEN] = action.clone() if self._rt.all_active else torch.where(active, action, s[keys.TOKEN])
         s[keys.SEQ_LEN], s[keys.RESPONSE_LEN] = new_len, resp_len
         self._rt.done, self._rt.any_done = done, any_done
 
@@ -627,6 +648,7 @@ class TokenEnv(EnvBase):
         if not appended:
             return
         s = self._rt.state
+        self._rt.deadline = None  # seq_len jumps past the feedback, response_len does not
         s[keys.SEQ_LEN], s[keys.TOKEN] = s[keys.SEQ_LEN].clone(), s[keys.TOKEN].clone()
         s[keys.PROMPT_LEN], s[keys.TURN] = s[keys.PROMPT_LEN].clone(), s[keys.TURN].clone()
         slots = torch.tensor(list(appended), dtype=torch.int64)
@@ -715,3 +737,8 @@ class _Runtime:
         self.any_done = False  # True while a slot is done and not refilled: kept with ``done``
         self.flags: tuple = ()  # (done, terminated, truncated) (B, 1) of the last step, as its "next" holds them
         self.next_traj = 0
+        # the lengths at which slots reach a limit (None: recompute, slots changed), that of the budget and
+        # context alone, and whether every slot is live (then a step needs no masking)
+        self.deadline: torch.Tensor | None = None
+        self.budget_deadline: torch.Tensor | None = None
+        self.all_active = False

@@ -10,7 +10,7 @@ from tensordict import TensorDict
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
-__all__ = ["TurnEnd", "WaveSteps", "unroll_wave"]
+__all__ = ["TurnEnd", "WaveSteps", "is_any", "unroll_wave"]
 
 _FIXED = (keys.PROMPT_LEN, keys.TRAJ_ID, keys.GROUP_ID, keys.SAMPLE_ID, keys.TURN)
 _AFTER_TURN = (keys.TOKEN, keys.SEQ_LEN, keys.PROMPT_LEN, keys.TURN)  # what a continuing turn moves
@@ -128,7 +128,7 @@ class WaveSteps:
         return TensorDict._new_unsafe(out, torch.Size([B, Tn]))
 
 
-def _is_any(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def is_any(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``torch.isin(values, ids)``; a few comparisons are several times faster for the usual 1-3 EOS ids."""
     if ids.numel() > 4 or ids.numel() == 0:
         return torch.isin(values, ids)
@@ -163,7 +163,7 @@ def unroll_wave(wave: WaveSteps, state: dict, tokens: torch.Tensor, rules: dict)
     p = pos[r, c]
     wave.written = (r, p, tokens[r, p])  # advanced indexing copies: the previous entries, for a rollback
     tokens[r, p] = actions[r, c]
-    terminated = real & _is_any(actions, rules["eos"])
+    terminated = real & is_any(actions, rules["eos"])
     stop = rules["stop"]
     if stop.is_enabled:
         for j in range(T):  # only tokens that could complete a stop string are decoded
