@@ -17,7 +17,8 @@ import torch
 from tensordict import TensorDictBase
 
 from tokengym.collectors.token_collector import CollectMode, TokenCollector
-from tokengym.llm_envs import PromptError, keys
+from tokengym.llm_envs import keys
+from tokengym.llm_envs.errors import PromptError
 
 __all__ = ["CollectorWorker", "PackedState", "WorkerSpec", "pack_weights", "unpack_state", "unpack_weights", "worker_seeds"]
 

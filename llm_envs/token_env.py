@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -86,6 +87,10 @@ class TokenEnv(EnvBase):
         >>> td["next", "done"].squeeze(-1).tolist(), td["next", "terminated"].squeeze(-1).tolist()
         ([True, False], [True, False])
     """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        _show_signature(cls)
 
     def __init__(
         self,
@@ -720,6 +725,16 @@ class TokenEnv(EnvBase):
     def _unroll_rules(self):
         return dict(eos=self._eos, stop=self._stop, max_new_tokens=self.max_new_tokens, max_length=self.max_length,
                     max_turn_tokens=self.max_turn_tokens)
+
+
+def _show_signature(cls) -> None:
+    """Give ``help(cls)`` and IDEs the constructor's arguments: TorchRL's env metaclass wraps the call in
+    ``(*args, **kwargs)``."""
+    sig = inspect.signature(cls.__init__)
+    cls.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
+_show_signature(TokenEnv)
 
 
 def _prompt_state(prompt: Prompt) -> dict:

@@ -19,15 +19,8 @@ from tokengym.collectors import (
     VLLMPolicy,
     VLLMServerPolicy,
 )
-from tokengym.llm_envs import (
-    MathAnswerReward,
-    MultiTurnTokenEnv,
-    PromptSource,
-    TokenEnv,
-    Turn,
-    check_env,
-    keys,
-)
+from tokengym.llm_envs import MathAnswerReward, MultiTurnTokenEnv, PromptSource, TokenEnv, check_env, keys
+from tokengym.llm_envs.turns import Turn
 from tokengym.transforms import (
     AdaptiveKLController,
     GAEAdvantage,

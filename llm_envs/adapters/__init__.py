@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gymnasium
 
-from tokengym.llm_envs.adapters._episodes import EpisodeBackend, EpisodeError, EpisodeTokenEnv, EpisodeTurns
+from tokengym.llm_envs.adapters._episodes import EpisodeBackend, EpisodeTokenEnv, EpisodeTurns
 from tokengym.llm_envs.adapters.openenv import OpenEnvBackend, make_openenv_env
 from tokengym.llm_envs.adapters.reasoning_gym import (
     ReasoningGymReward,
@@ -20,7 +20,6 @@ from tokengym.llm_envs.adapters.text_env import TextEnvBackend, make_text_env
 from tokengym.llm_envs.adapters.textarena import TextArenaEnv, make_textarena_env, textarena_factory
 
 __all__ = [
-    "EpisodeError",
     "EpisodeTokenEnv",
     "OpenEnvBackend",
     "EpisodeBackend",

@@ -8,7 +8,8 @@ import torch
 
 from tokengym.collectors import CollectorOptions, TokenCollector, TransformersPolicy
 from tokengym.collectors.async_collector import AsyncCollector
-from tokengym.llm_envs import RewardFunctionError, TokenEnv, keys
+from tokengym.errors import RewardFunctionError
+from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_model
 
 PROMPTS = [f"{a}+{b}=" for a in range(5) for b in range(4)]

@@ -8,7 +8,8 @@ from torchrl.objectives import ClipPPOLoss
 from tokengym.collectors import CollectorOptions, SequenceActor, TokenCollector
 from tokengym.collectors.async_collector import AsyncCollector
 from tokengym.collectors.sinks import extend_checked
-from tokengym.llm_envs import PromptError, PromptSource, TokenEnv, keys
+from tokengym.errors import PromptError
+from tokengym.llm_envs import PromptSource, TokenEnv, keys
 from tokengym.llm_envs.waves import WaveResult
 from tokengym.transforms import GroupAdvantage
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
-from tokengym.llm_envs import PromptError, PromptSource, RewardFunctionError, TokenEnv, keys
+from tokengym.errors import PromptError, RewardFunctionError
+from tokengym.llm_envs import PromptSource, TokenEnv, keys
 
 
 def _check_log_probs_match_teacher_forcing(policy, batches):

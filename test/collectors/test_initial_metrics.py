@@ -12,7 +12,8 @@ import torch
 
 from tokengym.collectors import TokenCollector, TransformersPolicy
 from tokengym.collectors.async_collector import AsyncCollector
-from tokengym.llm_envs import PromptError, PromptSource, TokenEnv, keys
+from tokengym.errors import PromptError
+from tokengym.llm_envs import PromptSource, TokenEnv, keys
 from tokengym.transforms import ZeroStdGroupFilter
 
 PROMPTS = [f"{i}+{i}=" for i in range(6)]

@@ -12,7 +12,8 @@ import pytest
 
 from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
 from tokengym.collectors.async_collector import AsyncCollector
-from tokengym.llm_envs import PromptError, PromptSource, TokenEnv, keys
+from tokengym.errors import PromptError
+from tokengym.llm_envs import PromptSource, TokenEnv, keys
 
 GOOD = [f"{i}+{i}=" for i in range(8)]
 BAD = "1+" * 20 + "1="  # 42 tokens, over max_length=24: a PromptError under overlong_prompts="error"

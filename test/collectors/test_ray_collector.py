@@ -15,7 +15,8 @@ from ray import cloudpickle  # noqa: E402
 from tokengym.collectors import TokenCollector, TransformersPolicy  # noqa: E402
 from tokengym.collectors.async_collector import AsyncCollector  # noqa: E402
 from tokengym.collectors.ray_collector import RayConfig, RayTokenCollector, cat_batches, worker_seeds  # noqa: E402
-from tokengym.llm_envs import PromptError, PromptSource, RewardFunctionError, TokenEnv, keys  # noqa: E402
+from tokengym.errors import PromptError, RewardFunctionError
+from tokengym.llm_envs import PromptSource, TokenEnv, keys
 from tokengym.testing import tiny_model, tiny_tokenizer  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules by name

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from tokengym.llm_envs import TokenEnv, TokenGymError, keys
+from tokengym.errors import TokenGymError
+from tokengym.llm_envs import TokenEnv, keys
 from tokengym.llm_envs.checker import check_env
 from tokengym.llm_envs.errors import ContractError
 

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from tokengym.collectors import TokenCollector
-from tokengym.llm_envs import RewardFunctionError, check_env, keys
+from tokengym.errors import RewardFunctionError
+from tokengym.llm_envs import check_env, keys
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
 from tokengym.llm_envs.tasks import WRONG_FEEDBACK, MultiTurnMathFeedback, make_multi_turn_math_env
 from tokengym.transforms import ScaleReward, TurnDiscount, decode, to_padded

@@ -6,7 +6,8 @@ import datasets
 import pytest
 import torch
 
-from tokengym.llm_envs import Prompt, PromptError, PromptSource, TokenEnv, keys
+from tokengym.errors import PromptError
+from tokengym.llm_envs import Prompt, PromptSource, TokenEnv, keys
 
 
 def _texts(src, n=None):

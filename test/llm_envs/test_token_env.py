@@ -8,7 +8,8 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.utils import check_env_specs
 
-from tokengym.llm_envs import PromptSource, ResetNeeded, RewardFunctionError, TokenEnv, keys
+from tokengym.errors import ResetNeeded, RewardFunctionError
+from tokengym.llm_envs import PromptSource, TokenEnv, keys
 from tokengym.llm_envs.errors import PromptError
 
 EOS, PAD = 1, 0

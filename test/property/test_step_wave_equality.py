@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokengym.collectors import TokenCollector
-from tokengym.llm_envs import TokenEnv, Turn, keys
-from tokengym.llm_envs.turns import FeedbackTurns
+from tokengym.llm_envs import TokenEnv, keys
+from tokengym.llm_envs.turns import FeedbackTurns, Turn
 from tokengym.llm_envs.waves import WaveResult
 from tokengym.testing import tiny_tokenizer
 

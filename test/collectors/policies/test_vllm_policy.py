@@ -13,7 +13,8 @@ from tensordict import TensorDict
 
 from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
 from tokengym.collectors.policies.vllm_policy import VLLMPolicy
-from tokengym.llm_envs import MultiTurnTokenEnv, PromptTable, TokenEnv, Turn, keys
+from tokengym.llm_envs import MultiTurnTokenEnv, PromptTable, TokenEnv, keys
+from tokengym.llm_envs.turns import Turn
 from tokengym.llm_envs.waves import WaveRequest
 from tokengym.testing import tiny_tokenizer
 from tokengym.transforms.layouts import to_packed, to_padded

@@ -33,7 +33,8 @@ from tokengym.collectors.policies import NoServerError
 from tokengym.collectors.policies._server_checks import check_server
 from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies.vllm_server import free_port
-from tokengym.llm_envs import MultiTurnTokenEnv, TokenEnv, Turn, keys
+from tokengym.llm_envs import MultiTurnTokenEnv, TokenEnv, keys
+from tokengym.llm_envs.turns import Turn
 from tokengym.testing import tiny_tokenizer
 
 PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]

@@ -7,8 +7,9 @@ from adapter_helpers import SOURCES, Server, collect, gym_episode, turn_texts
 from openenv_server import score
 
 from tokengym.collectors import TokenCollector, TransformersPolicy
-from tokengym.llm_envs import PromptError, keys
-from tokengym.llm_envs.adapters import EpisodeError, make_openenv_env
+from tokengym.errors import EpisodeError, PromptError
+from tokengym.llm_envs import keys
+from tokengym.llm_envs.adapters import make_openenv_env
 from tokengym.llm_envs.gym_adapter import GymTokenEnv
 from tokengym.transforms.layouts import to_padded
 

@@ -9,7 +9,8 @@ import torch
 from adapter_helpers import SOURCES, collect, gym_episode, turn_texts
 
 from tokengym.collectors import TokenCollector
-from tokengym.llm_envs import PromptError, keys
+from tokengym.errors import PromptError
+from tokengym.llm_envs import keys
 from tokengym.llm_envs.adapters import TextArenaEnv, make_text_env, make_textarena_env, textarena_factory
 from tokengym.llm_envs.gym_adapter import GymTokenEnv
 from tokengym.transforms.layouts import to_padded

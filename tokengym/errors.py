@@ -1,0 +1,32 @@
+"""Every exception tokengym raises beyond the built-in ``ValueError`` / ``TypeError`` / ``KeyError``: one home.
+
+The classes are defined where they are raised (``tokengym.llm_envs.errors``, the adapters, the server
+policy) and exported here only::
+
+    from tokengym.errors import PromptError, RewardFunctionError
+
+    try:
+        batch = next(it)
+    except PromptError as err:  # a prompt was skipped; nothing collected is lost: iterate again
+        print(err)
+"""
+
+from tokengym.collectors.policies.vllm_server_policy import NoServerError
+from tokengym.llm_envs.adapters._episodes import EpisodeError
+from tokengym.llm_envs.errors import (
+    ContractError,
+    PromptError,
+    ResetNeeded,
+    RewardFunctionError,
+    TokenGymError,
+)
+
+__all__ = [
+    "ContractError",
+    "EpisodeError",
+    "NoServerError",
+    "PromptError",
+    "ResetNeeded",
+    "RewardFunctionError",
+    "TokenGymError",
+]
