@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import copy
 
+from tokengym.collectors.policies.protocol import load_policy_state, policy_state
 from tokengym.llm_envs import PromptTable
 
 __all__ = ["collector_state", "load_collector_state"]
 
 
 def collector_state(collector, *, include_cache: bool = True) -> dict:
-    """Env, policy (RNG, version, cache unless ``include_cache`` is False), source, recorder, prompts."""
-    policy = collector.policy.state_dict() if include_cache else collector.policy.state_dict(include_cache=False)
+    """Env, policy (its ``collection_state``: RNG, version, cache unless ``include_cache`` is False), source,
+    recorder, prompts."""
+    policy = policy_state(collector.policy, include_cache=include_cache)
     # every part is already a copy (the env, policy, source and recorder clone what they hand out)
     return {
         "env": collector.base_env.state_dict(),
@@ -39,7 +41,7 @@ def load_collector_state(collector, state: dict) -> None:
             raise ValueError(f"this checkpoint was taken with {name}={state[name]!r}, this collector has {mine!r}")
     state = copy.deepcopy(state)
     collector.base_env.load_state_dict(state["env"])
-    collector.policy.load_state_dict(state["policy"])
+    load_policy_state(collector.policy, state["policy"])
     collector.source.load_state_dict(state["source"])
     collector.recorder.load_state_dict(state["recorder"])
     collector.pending = state["pending"]

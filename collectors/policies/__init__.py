@@ -1,4 +1,5 @@
-"""How tokens are generated (``tokengym.collectors.policies``): the :class:`TokenPolicy` protocol and its
+"""How tokens are generated (``tokengym.collectors.policies``): the policy protocols (:class:`TokenPolicy`, the
+base; :class:`StepPolicy` and :class:`WavePolicy`; one "fits this env" check, :func:`check_fits_env`) and their
 backends — transformers with a per-slot KV cache (steps and waves), vLLM in-process and on running
 servers (waves), a policy
 stepped with a reference model, the sampler, and the sequence actors the losses read.
@@ -9,9 +10,13 @@ in ``tokengym.collectors``.
 
 from tokengym.collectors.policies.kv_cache import SlotKVCache
 from tokengym.collectors.policies.protocol import (
+    StepPolicy,
     TokenPolicy,
+    WavePolicy,
+    check_fits_env,
     check_policy,
     is_token_policy,
+    supports_cache_state,
     supports_steps,
     supports_waves,
 )
@@ -30,17 +35,21 @@ __all__ = [
     "SamplingConfig",
     "SequenceActor",
     "SlotKVCache",
+    "StepPolicy",
     "StepwiseReference",
     "TokenPolicy",
     "TransformersPolicy",
     "VLLMPolicy",
     "VLLMServerPolicy",
+    "WavePolicy",
     "LocalVLLMServer",
     "NoServerError",
     "ServerOptions",
+    "check_fits_env",
     "check_policy",
     "is_token_policy",
     "sample_tokens",
+    "supports_cache_state",
     "supports_steps",
     "supports_waves",
 ]

@@ -6,8 +6,9 @@ vocabulary size (vLLM names it when a request's ``logit_bias`` holds an id past 
 one-token probe restricted to one allowed id, whose log-prob is exactly 0 when the server reports
 processed log-probs; and ``/detokenize`` of probe ids spread over the vocabulary (the server finds stop
 strings in the text it decodes, so it must decode as the env's tokenizer does). It returns a
-plain dict, :func:`check_server` compares it with the env and the sampling and raises a ``ValueError``
-naming the server and the fix for anything that would give wrong tokens or log-probs.
+plain dict, :func:`check_server` compares it with the env (through
+:func:`~tokengym.collectors.policies.protocol.check_fits_env`, as every backend does) and the sampling and
+raises a ``ValueError`` naming the server and the fix for anything that would give wrong tokens or log-probs.
 """
 
 from __future__ import annotations
@@ -19,21 +20,17 @@ import httpx
 from tokengym.collectors.policies._server_fleet import Server, ServerFleet
 from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies._vllm_requests import check_logprobs_mode
+from tokengym.collectors.policies.protocol import check_fits_env
+from tokengym.collectors.policies.sampling import SamplingConfig
 
-__all__ = ["check_fleet", "check_server", "inspect_server", "probe_ids"]
+__all__ = ["check_fleet", "check_server", "inspect_server"]
 
 _VOCAB = re.compile(r"Vocabulary size: (\d+)")
 
 
-def probe_ids(tokenizer, n: int = 2048) -> list[int]:
-    """About ``n`` ids spread evenly over ``tokenizer``'s vocabulary (specials included)."""
-    size = len(tokenizer)
-    return list(range(0, size, max(1, size // n)))
-
-
 async def inspect_server(fleet: ServerFleet, server: Server, ids: list[int]) -> dict:
-    """What ``server`` says about itself (see the module docstring); raises ``ValueError`` when it cannot be
-    reached or serves no model."""
+    """What ``server`` says about itself (see the module docstring), ``ids`` being the env tokenizer's
+    ``probe_ids``; raises ``ValueError`` when it cannot be reached or serves no model."""
     try:
         await fleet.call(server, "GET", "/health")
         models = (await fleet.call(server, "GET", "/v1/models"))["data"]
@@ -58,7 +55,6 @@ async def inspect_server(fleet: ServerFleet, server: Server, ids: list[int]) -> 
         answer["probe_text"] = (await fleet.call(server, "POST", "/detokenize", {"tokens": ids}))["prompt"]
     except (httpx.HTTPStatusError, RequestRejected, KeyError):
         answer["probe_text"] = None  # a server without a tokenizer: stop strings are left to the env
-    answer["probe_ids"] = ids
     return answer
 
 
@@ -80,9 +76,10 @@ async def _probe_log_prob(fleet: ServerFleet, server: Server) -> float:
     return float(answer["choices"][0]["logprobs"]["token_logprobs"][0])
 
 
-def check_server(answer: dict, env, *, is_unmodified: bool, model: str | None = None) -> None:
+def check_server(answer: dict, env, *, is_unmodified: bool, model: str | None = None,
+                 sampling: SamplingConfig | None = None) -> None:  # fmt: skip
     """Raise a ``ValueError`` naming the server and the fix when ``answer`` (:func:`inspect_server`) does
-    not fit ``env`` or would report log-probs of another distribution than the one sampled from.
+    not fit ``env`` and ``sampling`` or would report log-probs of another distribution than the one sampled from.
 
     Example:
         >>> from tokengym.llm_envs import TokenEnv
@@ -93,7 +90,7 @@ def check_server(answer: dict, env, *, is_unmodified: bool, model: str | None = 
         >>> check_server(answer, env, is_unmodified=True)
         Traceback (most recent call last):
         ...
-        ValueError: vLLM server http://h:8000: max_model_len 32 is shorter than the env's max_length 64: ...
+        ValueError: the env holds sequences of up to max_length=64 tokens but vLLM server http://h:8000 has 32 positions; ...
     """
     url = answer["url"]
     if model is not None and answer["model"] != model:
@@ -103,25 +100,10 @@ def check_server(answer: dict, env, *, is_unmodified: bool, model: str | None = 
     if mode is None:  # not exposed: the probe tells processed log-probs (exactly 0 for a single allowed id)
         mode = "processed_logprobs" if answer["probe_log_prob"] == 0.0 else "not processed_logprobs (probed)"
     check_logprobs_mode(mode, is_unmodified, where=f"vLLM server {url}")
-    max_model_len = answer.get("max_model_len")
-    if max_model_len is not None and int(max_model_len) < env.max_length:
-        raise ValueError(
-            f"vLLM server {url}: max_model_len {max_model_len} is shorter than the env's max_length {env.max_length}: "
-            f"long prompts would not fit; build the env with max_length={max_model_len} or start the server with "
-            "a larger --max-model-len"
-        )
-    vocab = answer.get("vocab_size")
-    if vocab is not None and vocab < len(env.tokenizer):
-        raise ValueError(f"vLLM server {url}: its model has vocab_size {vocab}, smaller than the env tokenizer's "
-                         f"{len(env.tokenizer)}: the server's model and the env's tokenizer do not match")  # fmt: skip
-    if vocab is not None and vocab > env.vocab_size:
-        raise ValueError(f"vLLM server {url}: its model can emit ids up to {vocab - 1} but the env accepts "
-                         f"[0, {env.vocab_size}); build the env with model_config=model.config")  # fmt: skip
-    text = answer.get("probe_text")
-    if text is not None and text != env.tokenizer.decode(answer["probe_ids"]):
-        raise ValueError(f"vLLM server {url}: its tokenizer decodes ids differently from the env's (stop strings "
-                         "would be found in the wrong places); save the env's tokenizer into the server's model "
-                         "directory")  # fmt: skip
+    check_fits_env(env, f"vLLM server {url}", vocab_size=answer.get("vocab_size"), positions=answer.get("max_model_len"),
+                   sampling=sampling, probe_text=answer.get("probe_text"),
+                   length_fix="build the env with max_length={positions} or start the server with a larger --max-model-len",
+                   tokenizer_fix="save the env's tokenizer into the server's model directory")  # fmt: skip
 
 
 def check_fleet(answers: list[dict]) -> None:

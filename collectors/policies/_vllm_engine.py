@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from tensordict import TensorDictBase
+
+from tokengym.collectors.policies.protocol import weights_of
 
 __all__ = ["import_vllm", "start_engine", "stop_engine", "checkpoint_shapes", "read_checkpoint", "weight_items",
            "tied_outputs"]  # fmt: skip
@@ -168,21 +169,14 @@ def tied_outputs(hf_config) -> dict[str, str]:
 
 
 def weight_items(weights, expected: dict[str, tuple[int, ...]] | None, tied: dict[str, str]) -> list:
-    """``(name, tensor)`` pairs to reload: every tensor of the checkpoint, with its shape, is required.
+    """``(name, tensor)`` pairs to reload (``weights`` as :func:`weights_of` takes them): every tensor of the
+    checkpoint, with its shape, is required.
 
     A tied output layer missing from ``weights`` (``save_pretrained`` drops it) is sent as its
     embedding: vLLM's CPU backend repacks the output layer separately, so a reload without it
     leaves it stale, with no error.
     """
-    if isinstance(weights, TensorDictBase):
-        weights = dict(weights.flatten_keys(".").items(include_nested=True, leaves_only=True))
-    if not isinstance(weights, Mapping):
-        raise TypeError(f"weights must be a state_dict (a mapping name -> tensor) or a TensorDict of weights, "
-                        f"got {type(weights).__name__}")  # fmt: skip
-    weights = dict(weights)
-    bad = sorted(k for k, v in weights.items() if not isinstance(v, torch.Tensor))
-    if bad:
-        raise TypeError(f"weights must map names to tensors; not tensors: {bad[:5]}")
+    weights = weights_of(weights)
     for out_name, embed_name in tied.items():
         if out_name not in weights and embed_name in weights:
             weights[out_name] = weights[embed_name]

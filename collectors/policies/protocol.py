@@ -1,12 +1,22 @@
-"""TokenPolicy: the complete set of what a collector may call on a policy.
+"""The policy protocols: everything a collector may call on a policy, and what a backend checks against the env.
 
-A policy generates tokens for the slots of a :class:`~tokengym.llm_envs.TokenEnv`, either one step at a
-time (``__call__`` on the step TensorDict) or a whole wave at a time (``generate`` on a
-:class:`~tokengym.llm_envs.waves.WaveRequest`), or both. Everything else a collector needs is here:
-the version stamped on every token, a weight update, a checkpoint of the policy's collection state
-(RNG, cache, version; the weights are the trainer's to save) and ``close``. Built-in implementations:
-:class:`~tokengym.collectors.TransformersPolicy` (both modes), :class:`~tokengym.collectors.PolicyWithReference`
-(a policy composed with a stepwise reference) and ``VLLMPolicy`` (waves).
+A policy generates tokens for the slots of a :class:`~tokengym.llm_envs.TokenEnv`. Every policy implements the
+base, :class:`TokenPolicy`: the version stamped on every token, weight updates, the sampling seed, its
+collection state (sampling RNG or request counter, version, caches; the weights are the trainer's to save)
+and ``close``. On top of it, one generation mode or both:
+
+- :class:`StepPolicy`: ``__call__(td)`` chooses one token for every slot of a step TensorDict;
+- :class:`WavePolicy`: ``generate(request)`` continues every slot of a :class:`~tokengym.llm_envs.waves.WaveRequest`
+  until its turn ends.
+
+Optional capabilities are class attributes; absent means ``False`` (read them with the functions below):
+
+- ``is_wave_only``: the policy is callable but does not step (an ``nn.Module`` that generates waves);
+- ``supports_cache_state``: ``collection_state(include_cache=False)`` leaves out a cache too large to save.
+
+Built-in: :class:`~tokengym.collectors.TransformersPolicy` (steps and waves, cache state),
+:class:`~tokengym.collectors.PolicyWithReference` (steps), ``VLLMPolicy`` and ``VLLMServerPolicy`` (waves).
+Each checks at construction that it fits its env with :func:`check_fits_env`.
 
 Example:
     A scripted policy that always answers with EOS works with every collector:
@@ -22,57 +32,85 @@ Example:
     ...         td.set(keys.ACTION, torch.full((n,), self.eos)); td.set(keys.ACTION_LOG_PROB, torch.zeros(n))
     ...         return td.set(keys.POLICY_VERSION, torch.full((n,), self.version))
     ...     def update_weights(self, weights=None): self.version += 1; return self.version
-    ...     def state_dict(self): return {"version": self.version}
-    ...     def load_state_dict(self, state): self.version = state["version"]
+    ...     def set_seed(self, seed): pass
+    ...     def collection_state(self): return {"version": self.version}
+    ...     def load_collection_state(self, state): self.version = state["version"]
     ...     def close(self): pass
-    >>> tok = tiny_tokenizer()
-    >>> policy = EOSPolicy(tok.eos_token_id)
-    >>> is_token_policy(policy), supports_steps(policy), supports_waves(policy)
-    (True, True, False)
+    >>> policy = EOSPolicy(tiny_tokenizer().eos_token_id)
+    >>> isinstance(policy, StepPolicy), isinstance(policy, WavePolicy), supports_steps(policy)
+    (True, False, True)
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDictBase
 
+from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.llm_envs import TokenEnv
+from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
-__all__ = ["FunctionPolicy", "weights_of", "TokenPolicy", "as_token_policy", "check_policy", "check_policy_env",
-           "is_token_policy", "supports_steps", "supports_waves"]
+__all__ = ["FunctionPolicy", "StepPolicy", "TokenPolicy", "WavePolicy", "as_token_policy", "check_fits_env",
+           "check_policy", "check_policy_env", "is_token_policy", "load_policy_state", "policy_state", "probe_ids",
+           "supports_cache_state", "supports_steps", "supports_waves", "weights_of"]  # fmt: skip
 
-Weights = Mapping[str, Any] | TensorDictBase
+Weights = Mapping[str, torch.Tensor] | TensorDictBase | torch.nn.Module
 
 
 @runtime_checkable
 class TokenPolicy(Protocol):
-    """What a collector calls on a policy, and nothing else.
+    """The base of every policy: what a collector calls on it besides generating tokens.
 
-    A policy implements ``__call__(td) -> td`` (stepwise: writes ``keys.ACTION``,
-    ``keys.ACTION_LOG_PROB``, ``keys.POLICY_VERSION`` and optionally ``keys.RAW_LOG_PROB`` for every
-    slot), ``generate(request: WaveRequest) -> WaveResult`` (one call continues every slot of the
-    request until its turn ends; the env re-checks termination on what comes back), or both. A
-    wave-only policy sets ``is_wave_only = True``. The rest is required.
+    A policy also implements :class:`StepPolicy`, :class:`WavePolicy` or both; optional capabilities
+    (``is_wave_only``, ``supports_cache_state``) are class attributes, described in the module docstring.
     """
 
     version: int
     """Version of the weights; stamped on every token as ``keys.POLICY_VERSION``."""
 
     def update_weights(self, weights: Weights | None = None) -> int:
-        """Load ``weights`` (a state_dict or a TensorDict of weights; ``None``: the model was updated in
-        place), drop caches computed under the old weights, bump and return :attr:`version`."""
+        """Load ``weights`` (see :func:`weights_of`; ``None``: the model was updated in place or its checkpoint
+        is reloaded), drop caches computed under the old weights, bump and return :attr:`version`."""
 
-    def state_dict(self) -> dict:
-        """Collection state to checkpoint (sampling RNG, version, caches); not the model weights."""
+    def set_seed(self, seed: int) -> None:
+        """Restart the sampling randomness from ``seed``."""
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`."""
+    def collection_state(self) -> dict:
+        """What a collector checkpoints: sampling RNG or request counter, version, caches; never the weights.
+        Plain data (tensors, numbers, strings, lists, dicts). A policy with ``supports_cache_state`` takes
+        ``include_cache: bool = True`` (keyword-only) and leaves its cache out when it is False."""
+
+    def load_collection_state(self, state: dict) -> None:
+        """Restore :meth:`collection_state`."""
 
     def close(self) -> None:
-        """Release engines, caches and workers."""
+        """Release engines, caches and workers (the model stays the caller's)."""
+
+
+@runtime_checkable
+class StepPolicy(TokenPolicy, Protocol):
+    """A policy that chooses one token per slot per env step (``source="step"``)."""
+
+    def __call__(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Write ``keys.ACTION``, ``keys.ACTION_LOG_PROB`` and ``keys.POLICY_VERSION`` (optionally
+        ``keys.RAW_LOG_PROB``) for every slot of the step TensorDict, and return it."""
+
+
+@runtime_checkable
+class WavePolicy(TokenPolicy, Protocol):
+    """A policy that generates every live slot's whole turn in one call (``source="wave"``)."""
+
+    def generate(self, request: WaveRequest) -> WaveResult:
+        """Continue every prompt of ``request`` until its turn ends (an EOS id, a stop string or its budget);
+        the env re-checks termination on what comes back."""
+
+
+_REQUIRED = ("version", "update_weights", "set_seed", "collection_state", "load_collection_state", "close")
+_LEGACY = ("version", "update_weights", "state_dict", "load_state_dict", "close")  # the protocol before the rename
 
 
 def supports_steps(policy) -> bool:
@@ -85,23 +123,148 @@ def supports_waves(policy) -> bool:
     return callable(getattr(policy, "generate", None))
 
 
+def supports_cache_state(policy) -> bool:
+    """True when ``policy.collection_state`` takes ``include_cache`` (its cache may be left out of a checkpoint)."""
+    return bool(getattr(policy, "supports_cache_state", False))
+
+
 def is_token_policy(policy) -> bool:
     """True when ``policy`` implements :class:`TokenPolicy` and at least one generation mode."""
     return isinstance(policy, TokenPolicy) and (supports_steps(policy) or supports_waves(policy))
 
 
+def _is_legacy(policy) -> bool:
+    return not hasattr(policy, "collection_state") and all(hasattr(policy, name) for name in _LEGACY)
+
+
 def check_policy(policy) -> None:
-    """Raise a ``TypeError`` naming what ``policy`` lacks of :class:`TokenPolicy`."""
-    required = ("version", "update_weights", "state_dict", "load_state_dict", "close")
-    missing = [name for name in required if not hasattr(policy, name)]
+    """Raise a ``TypeError`` naming what ``policy`` lacks of :class:`TokenPolicy` and a generation mode.
+
+    A policy written for the protocol before ``collection_state`` (``state_dict`` / ``load_state_dict``, no
+    ``set_seed``) still works, with a ``DeprecationWarning``.
+    """
+    legacy = _is_legacy(policy)
+    missing = [name for name in (_LEGACY if legacy else _REQUIRED) if not hasattr(policy, name)]
     if not (supports_steps(policy) or supports_waves(policy)):
         missing.append("__call__ (steps) or generate (waves)")
     if missing:
-        raise TypeError(
-            f"{type(policy).__name__} is not a TokenPolicy: it lacks {missing}; "
-            "see tokengym.collectors.policies.protocol.TokenPolicy"
-        )
+        raise TypeError(f"{type(policy).__name__} is not a TokenPolicy: it lacks {missing}; "
+                        "see tokengym.collectors.policies.protocol.TokenPolicy")  # fmt: skip
+    if legacy:
+        warnings.warn(f"{type(policy).__name__} checkpoints through state_dict / load_state_dict: rename them "
+                      "collection_state / load_collection_state and add set_seed(seed) (TokenPolicy); the old "
+                      "names will stop working", DeprecationWarning, stacklevel=3)  # fmt: skip
 
+
+def as_token_policy(policy):
+    """``policy`` itself when it implements :class:`TokenPolicy`; a plain function becomes a
+    :class:`FunctionPolicy`; anything else raises a ``TypeError`` naming what it lacks."""
+    if callable(policy) and not hasattr(policy, "update_weights") and not supports_waves(policy):
+        return FunctionPolicy(policy)
+    check_policy(policy)
+    return policy
+
+
+def policy_state(policy, *, include_cache: bool = True) -> dict:
+    """``policy.collection_state()``, with ``include_cache`` where the policy ``supports_cache_state``."""
+    if _is_legacy(policy):
+        return policy.state_dict()
+    if supports_cache_state(policy):
+        return policy.collection_state(include_cache=include_cache)
+    return policy.collection_state()
+
+
+def load_policy_state(policy, state: dict) -> None:
+    """``policy.load_collection_state(state)``: restore :func:`policy_state`."""
+    if _is_legacy(policy):
+        policy.load_state_dict(state)
+    else:
+        policy.load_collection_state(state)
+
+
+def weights_of(policy_or_weights, weights=None, *, missing: str = "no weights were given") -> dict[str, torch.Tensor]:
+    """The weights of an update as ``{name: tensor}`` with the names of ``model.state_dict()``: the one place
+    a state_dict, a TensorDict of weights (nested keys joined with ``"."``) or a module (its ``state_dict()``)
+    becomes weights. With ``update_policy_weights_(policy_or_weights, *, weights)``'s two arguments
+    ``weights`` wins; ``ValueError(missing)`` when both are ``None``.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> weights_of(TensorDict({"lm_head": {"weight": torch.ones(2)}}, []))
+        {'lm_head.weight': tensor([1., 1.])}
+        >>> weights_of({"w": 1.0})
+        Traceback (most recent call last):
+        ...
+        TypeError: weights must map names to tensors; not tensors: ['w']
+    """
+    weights = policy_or_weights if weights is None else weights
+    if weights is None:
+        raise ValueError(missing)
+    if isinstance(weights, torch.nn.Module):
+        weights = weights.state_dict()
+    elif isinstance(weights, TensorDictBase):
+        weights = weights.flatten_keys(".").items(include_nested=True, leaves_only=True)
+    elif not isinstance(weights, Mapping):
+        raise TypeError(f"weights must be a state_dict (a mapping name -> tensor), a TensorDict of weights or a "
+                        f"module, got {type(weights).__name__}")  # fmt: skip
+    weights = dict(weights)
+    bad = sorted(k for k, v in weights.items() if not isinstance(v, torch.Tensor))
+    if bad:
+        raise TypeError(f"weights must map names to tensors; not tensors: {bad[:5]}")
+    return weights
+
+
+def probe_ids(tokenizer, n: int = 2048) -> list[int]:
+    """About ``n`` ids spread evenly over ``tokenizer``'s vocabulary (specials included): a backend's tokenizer
+    decodes them as the env's does (:func:`check_fits_env`'s ``probe_text``)."""
+    size = len(tokenizer)
+    return list(range(0, size, max(1, size // n)))
+
+
+def check_fits_env(env, backend: str, *, vocab_size: int | None, positions: int | None, length_fix: str,
+                   sampling: SamplingConfig | None = None, probe_text: str | None = None,
+                   tokenizer_fix: str = "save the env's tokenizer with the model") -> None:  # fmt: skip
+    """Raise a ``ValueError`` naming ``backend`` and the fix when it does not fit ``env``; every backend calls it.
+
+    Checked (``None`` skips what a backend cannot tell): the model's ``vocab_size`` covers the env tokenizer
+    and stays within the ids the env accepts; ``positions`` (the context: ``max_position_embeddings``,
+    ``max_model_len``) holds the env's ``max_length`` (else ``length_fix``, where ``{positions}`` is
+    replaced); ``sampling``'s banned ids are in the vocabulary and leave a token to sample; ``probe_text``,
+    the backend's decoding of :func:`probe_ids` of the env tokenizer, is the env tokenizer's (stop strings
+    are found in decoded text).
+
+    Example:
+        >>> from tokengym.testing import tiny_tokenizer
+        >>> env = TokenEnv(["hi"], tiny_tokenizer(), max_length=64)
+        >>> check_fits_env(env, "MyModel", vocab_size=512, positions=32, length_fix="use max_length={positions}")
+        Traceback (most recent call last):
+        ...
+        ValueError: the env holds sequences of up to max_length=64 tokens but MyModel has 32 positions; use max_length=32
+    """
+    env = getattr(env, "base_env", env)
+    if vocab_size is not None:
+        _check_vocab(env, backend, int(vocab_size), sampling)
+    if positions is not None and env.max_length > int(positions):
+        raise ValueError(f"the env holds sequences of up to max_length={env.max_length} tokens but {backend} has "
+                         f"{int(positions)} positions; {length_fix.format(positions=int(positions))}")  # fmt: skip
+    if probe_text is not None and probe_text != env.tokenizer.decode(probe_ids(env.tokenizer)):
+        raise ValueError(f"{backend}'s tokenizer decodes ids differently from the env's (stop strings would be "
+                         f"found in the wrong places); {tokenizer_fix}")  # fmt: skip
+
+
+def _check_vocab(env, backend: str, vocab: int, sampling: SamplingConfig | None) -> None:
+    if vocab < len(env.tokenizer):
+        raise ValueError(f"{backend} has vocab_size {vocab}, smaller than the env tokenizer's {len(env.tokenizer)}: "
+                         "the model and the tokenizer do not match")  # fmt: skip
+    if vocab > env.vocab_size:
+        raise ValueError(f"{backend} can emit ids up to {vocab - 1} but the env accepts [0, {env.vocab_size}); "
+                         "build the env with model_config=model.config")  # fmt: skip
+    banned = () if sampling is None else sampling.banned_token_ids
+    bad = [i for i in banned if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"banned_token_ids {bad} are outside the model's vocabulary [0, {vocab}); drop them")
+    if len(set(banned)) >= vocab:
+        raise ValueError(f"banned_token_ids bans all {vocab} tokens of the vocabulary: nothing is left to sample")
 
 
 def _bound_envs(policy, depth: int = 0):
@@ -126,7 +289,6 @@ def check_policy_env(policy, env) -> None:
     reaches the policy as a request, so a wave source may share one policy between envs.)
 
     Example:
-        >>> from tokengym.llm_envs import TokenEnv
         >>> from tokengym.collectors import TransformersPolicy
         >>> from tokengym.testing import tiny_model, tiny_tokenizer
         >>> tok = tiny_tokenizer(); model = tiny_model(tok)
@@ -146,7 +308,8 @@ def check_policy_env(policy, env) -> None:
 
 
 class FunctionPolicy:
-    """A plain function ``td -> td`` as a stepwise :class:`TokenPolicy` with no weights (version 0).
+    """A plain function ``td -> td`` as a :class:`StepPolicy` with no weights and no state (version 0, or the
+    function's own ``version`` attribute).
 
     Handy for scripted and random policies in tests; it cannot take weight updates.
     """
@@ -164,37 +327,20 @@ class FunctionPolicy:
         """The function's own ``version`` attribute, if it has one, else 0."""
         return int(getattr(self.fn, "version", 0))
 
-    def update_weights(self, weights=None) -> int:
+    def update_weights(self, weights: Weights | None = None) -> int:
         raise TypeError(
             f"{getattr(self.fn, '__name__', self.fn)!r} is a plain function with no weights; "
             "implement TokenPolicy.update_weights on a policy object to take weight updates"
         )
 
-    def state_dict(self) -> dict:
+    def set_seed(self, seed: int) -> None:
+        """Nothing to seed: a plain function keeps its own randomness."""
+
+    def collection_state(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_collection_state(self, state: dict) -> None:
         pass
 
     def close(self) -> None:
         pass
-
-
-def as_token_policy(policy):
-    """``policy`` itself when it implements :class:`TokenPolicy`; a plain function becomes a
-    :class:`FunctionPolicy`; anything else raises a ``TypeError`` naming what it lacks."""
-    if callable(policy) and not hasattr(policy, "update_weights") and not supports_waves(policy):
-        return FunctionPolicy(policy)
-    check_policy(policy)
-    return policy
-
-
-def weights_of(policy_or_weights, weights, *, missing: str) -> Weights:
-    """The weights of an ``update_policy_weights_(policy_or_weights=None, *, weights=None)`` call: a
-    state_dict, a TensorDict of weights, or a module's ``state_dict()``; ``ValueError(missing)`` when none."""
-    weights = policy_or_weights if weights is None else weights
-    if isinstance(weights, torch.nn.Module):
-        weights = weights.state_dict()
-    if weights is None:
-        raise ValueError(missing)
-    return weights

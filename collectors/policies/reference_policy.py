@@ -7,6 +7,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
 from tokengym.collectors.policies.kv_cache import SlotKVCache
+from tokengym.collectors.policies.protocol import Weights, load_policy_state, policy_state
 from tokengym.llm_envs import keys
 
 __all__ = ["PolicyWithReference", "StepwiseReference"]
@@ -16,7 +17,7 @@ class StepwiseReference(TensorDictModuleBase):
     """Writes ``keys.REF_LOG_PROB``: the reference model's log-prob of the action the policy just chose.
 
     Compose it with the policy as :class:`PolicyWithReference` (it runs after the policy on every
-    step, and the pair is a :class:`~tokengym.collectors.TokenPolicy`); it keeps its own
+    step, and the pair is a :class:`~tokengym.collectors.policies.protocol.StepPolicy`); it keeps its own
     per-slot KV cache, so each step costs one incremental forward of the reference model. A
     ``KLRewardTransform()`` without ``ref_model`` inside a ``TransformedEnv`` then shapes every step's
     reward. The cheaper alternative is ``KLRewardTransform(ref_model=...)`` as a collector postproc:
@@ -46,7 +47,9 @@ class StepwiseReference(TensorDictModuleBase):
         super().__init__()
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        self.model, self.env, self.temperature = model, getattr(env, "base_env", env), temperature
+        self.model, self.temperature = model, temperature
+        # not a submodule: state_dict(), parameters() and .to() are the model's alone
+        object.__setattr__(self, "env", getattr(env, "base_env", env))
         self.cache = SlotKVCache(model, self.env.batch_size[0])
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -58,19 +61,19 @@ class StepwiseReference(TensorDictModuleBase):
         tensordict.set(keys.REF_LOG_PROB, torch.where(active, ref, torch.zeros_like(ref)))
         return tensordict
 
-    def state_dict(self, *, include_cache: bool = True) -> dict:  # type: ignore[override]
-        """The reference's KV cache (its weights never change during collection)."""
+    def collection_state(self, *, include_cache: bool = True) -> dict:
+        """The reference's KV cache (its weights never change during collection; ``state_dict()`` is the module's)."""
         return {"cache": self.cache.state_dict()} if include_cache else {}
 
-    def load_state_dict(self, state: dict, strict: bool = True, assign: bool = False) -> None:  # type: ignore[override]
-        """Restore :meth:`state_dict` (without a saved cache, live slots are re-prefilled)."""
+    def load_collection_state(self, state: dict) -> None:
+        """Restore :meth:`collection_state` (without a saved cache, live slots are re-prefilled)."""
         self.cache = SlotKVCache(self.model, self.env.batch_size[0])
         if state.get("cache") is not None:
             self.cache.load_state_dict(state["cache"])
 
 
 class PolicyWithReference:
-    """A :class:`~tokengym.collectors.TokenPolicy` that steps ``policy`` and then ``reference``.
+    """A :class:`~tokengym.collectors.policies.protocol.StepPolicy` that steps ``policy`` and then ``reference``.
 
     Every step carries ``keys.REF_LOG_PROB`` beside the policy's keys; weight updates, version,
     checkpoints and ``close`` go to the policy (the reference's cache is checkpointed too).
@@ -87,6 +90,8 @@ class PolicyWithReference:
         (True, 1, 1)
     """
 
+    supports_cache_state = True
+
     def __init__(self, policy, reference: StepwiseReference) -> None:
         if not callable(policy) or not hasattr(policy, "update_weights"):
             raise TypeError(f"policy must be a stepwise TokenPolicy, got {type(policy).__name__}")
@@ -99,23 +104,28 @@ class PolicyWithReference:
 
     @property
     def version(self) -> int:
+        """The policy's version."""
         return self.policy.version
 
-    def update_weights(self, weights=None) -> int:
+    def update_weights(self, weights: Weights | None = None) -> int:
         """Update the policy's weights (the reference stays as it is)."""
         return self.policy.update_weights(weights)
 
     def set_seed(self, seed: int) -> None:
+        """Reseed the policy's sampling (the reference samples nothing)."""
         if hasattr(self.policy, "set_seed"):
             self.policy.set_seed(seed)
 
-    def state_dict(self, *, include_cache: bool = True) -> dict:
-        kwargs = {} if include_cache else {"include_cache": False}
-        return {"policy": self.policy.state_dict(**kwargs), "reference": self.reference.state_dict(**kwargs)}
+    def collection_state(self, *, include_cache: bool = True) -> dict:
+        """The policy's collection state and the reference's KV cache (``include_cache=False``: neither cache)."""
+        return {"policy": policy_state(self.policy, include_cache=include_cache),
+                "reference": self.reference.collection_state(include_cache=include_cache)}  # fmt: skip
 
-    def load_state_dict(self, state: dict) -> None:
-        self.policy.load_state_dict(state["policy"])
-        self.reference.load_state_dict(state["reference"])
+    def load_collection_state(self, state: dict) -> None:
+        """Restore :meth:`collection_state`."""
+        load_policy_state(self.policy, state["policy"])
+        self.reference.load_collection_state(state["reference"])
 
     def close(self) -> None:
+        """Close the policy (the reference model stays the caller's)."""
         self.policy.close()

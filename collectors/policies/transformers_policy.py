@@ -8,6 +8,7 @@ from tensordict.nn import TensorDictModuleBase
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from tokengym.collectors.policies.kv_cache import SlotKVCache
+from tokengym.collectors.policies.protocol import Weights, check_fits_env, weights_of
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
@@ -20,7 +21,11 @@ def _base_env(env):
 
 
 class TransformersPolicy(TensorDictModuleBase):
-    """Chooses the next token of every slot of a :class:`~tokengym.llm_envs.TokenEnv`.
+    """Chooses the next token of every slot of a :class:`~tokengym.llm_envs.TokenEnv`, a step or a wave at a time.
+
+    A :class:`~tokengym.collectors.policies.protocol.StepPolicy` and a
+    :class:`~tokengym.collectors.policies.protocol.WavePolicy`; its :meth:`collection_state` holds the KV
+    cache, and ``state_dict()`` is the module's (the model's weights).
 
     The prompt of a slot is prefilled once, when its trajectory id changes (the env refilled it);
     every later step is one incremental forward of the whole batch over the cache. Tokens the env
@@ -47,6 +52,7 @@ class TransformersPolicy(TensorDictModuleBase):
 
     in_keys = [keys.TOKEN, keys.SEQ_LEN, keys.TRAJ_ID, keys.ACTIVE]
     out_keys = [keys.ACTION, keys.ACTION_LOG_PROB, keys.POLICY_VERSION]
+    supports_cache_state = True
 
     def __init__(
         self,
@@ -62,10 +68,13 @@ class TransformersPolicy(TensorDictModuleBase):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         _check_model(model)
         self.model, self.sampling = model, sampling or SamplingConfig()
-        self.env = _base_env(env)
-        _check_vocab(model, self.env)
-        _check_banned(self.sampling, int(model.config.vocab_size))
-        _check_context(model, self.env)
+        # not a submodule: state_dict(), parameters() and .to() are the model's alone
+        object.__setattr__(self, "env", _base_env(env))
+        config = model.config
+        positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        check_fits_env(self.env, type(model).__name__, vocab_size=int(config.vocab_size), positions=positions,
+                       sampling=self.sampling,
+                       length_fix="build the env with model_config=model.config (or max_length <= {positions})")  # fmt: skip
         self.return_raw_log_prob = return_raw_log_prob
         if return_raw_log_prob:
             self.out_keys = [*self.out_keys, keys.RAW_LOG_PROB]
@@ -153,13 +162,12 @@ class TransformersPolicy(TensorDictModuleBase):
                           version=self.version)  # fmt: skip
 
     # -- the TokenPolicy protocol --
-    def update_weights(self, weights=None) -> int:
-        """Load ``weights`` (a state_dict or a TensorDict of weights; ``None``: the model was updated in
-        place), drop the KV cache (live slots are re-prefilled under the new weights) and bump the version."""
-        if isinstance(weights, TensorDictBase):
-            weights.to_module(self.model)
-        elif weights is not None:
-            self.model.load_state_dict(weights)
+    def update_weights(self, weights: Weights | None = None) -> int:
+        """Copy ``weights`` into the model (a state_dict, a TensorDict of weights or a module; ``None``: the
+        model was updated in place), drop the KV cache (live slots are re-prefilled under the new weights)
+        and bump the version."""
+        if weights is not None:
+            self.model.load_state_dict(_loadable(self.model, weights_of(weights)))
         self.reset_cache()
         self.version += 1
         return self.version
@@ -172,7 +180,7 @@ class TransformersPolicy(TensorDictModuleBase):
         """Drop the KV cache (the model stays the caller's)."""
         self.reset_cache()
 
-    def state_dict(self, *, include_cache: bool = True) -> dict:  # type: ignore[override]
+    def collection_state(self, *, include_cache: bool = True) -> dict:
         """Collection state to checkpoint: sampling generator, version and the KV cache (not the weights).
 
         The cache is saved rather than rebuilt on resume: a re-prefill gives log-probs that differ in
@@ -184,8 +192,8 @@ class TransformersPolicy(TensorDictModuleBase):
             out["cache"] = self.cache.state_dict()
         return out
 
-    def load_state_dict(self, state: dict, strict: bool = True, assign: bool = False) -> None:  # type: ignore[override]
-        """Restore :meth:`state_dict` (without a saved cache, every live slot is re-prefilled)."""
+    def load_collection_state(self, state: dict) -> None:
+        """Restore :meth:`collection_state` (without a saved cache, every live slot is re-prefilled)."""
         self.generator.set_state(state["generator"])
         self.version = int(state["version"])
         self.reset_cache()
@@ -223,34 +231,9 @@ def _check_model(model) -> None:
         )
 
 
-def _check_vocab(model, env) -> None:
-    model_vocab = int(model.config.vocab_size)
-    tok_vocab = len(env.tokenizer)
-    if model_vocab < tok_vocab:
-        raise ValueError(
-            f"the model's vocab_size {model_vocab} is smaller than the env tokenizer's {tok_vocab}: "
-            "the model and the tokenizer do not match"
-        )
-    if model_vocab > env.vocab_size:
-        raise ValueError(
-            f"the model can emit ids up to {model_vocab - 1} but the env accepts [0, {env.vocab_size}); "
-            "build the env with model_config=model.config"
-        )
-
-
-def _check_banned(sampling: SamplingConfig, vocab: int) -> None:
-    bad = [i for i in sampling.banned_token_ids if not 0 <= i < vocab]
-    if bad:
-        raise ValueError(f"banned_token_ids {bad} are outside the model's vocabulary [0, {vocab}); drop them")
-    if len(set(sampling.banned_token_ids)) >= vocab:
-        raise ValueError(f"banned_token_ids bans all {vocab} tokens of the vocabulary: nothing is left to sample")
-
-
-def _check_context(model, env) -> None:
-    config = model.config
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if limit is not None and env.max_length > int(limit):
-        raise ValueError(
-            f"the env holds sequences of up to max_length={env.max_length} tokens but {type(model).__name__} has "
-            f"{int(limit)} positions; build the env with model_config=model.config (or max_length <= {int(limit)})"
-        )
+def _loadable(model, weights: dict) -> dict:
+    """``weights`` without the non-persistent buffers (rotary ``inv_freq``) a ``TensorDict.from_module`` holds:
+    ``load_state_dict`` refuses names outside the module's ``state_dict()``."""
+    persistent = model.state_dict().keys()
+    buffers = {name for name, _ in model.named_buffers()}
+    return {k: v for k, v in weights.items() if k in persistent or k not in buffers}

@@ -37,10 +37,11 @@ from tokengym.collectors.policies._vllm_requests import (
     check_logprobs_mode,
     empty_result,
     is_unmodified,
-    request_seeds,
     sampling_fields,
     wave_result,
 )
+from tokengym.collectors.policies._wave_state import RequestSeeds
+from tokengym.collectors.policies.protocol import check_fits_env, probe_ids
 from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
@@ -50,10 +51,10 @@ __all__ = ["VLLMPolicy"]
 class VLLMPolicy:
     """Generates every live slot's turn of a :class:`~tokengym.llm_envs.TokenEnv` with a vLLM engine.
 
-    Implements :class:`~tokengym.collectors.TokenPolicy` for waves (``TokenCollector(..., source="wave")``):
+    A :class:`~tokengym.collectors.policies.protocol.WavePolicy` (``TokenCollector(..., source="wave")``):
     prompts go in as the env's token ids (no re-tokenization), responses come back as token ids with
     per-token log-probs. Each request gets its own seed (policy seed and a request counter), so a run
-    is reproducible and resumes from :meth:`state_dict`.
+    is reproducible and resumes from :meth:`collection_state`.
 
     Args:
         model: a local model directory (``save_pretrained`` of the model, and of the tokenizer for stop
@@ -100,12 +101,10 @@ class VLLMPolicy:
     ) -> None:
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        self.seeds, self.version = RequestSeeds(seed), 0
         self.env = getattr(env, "base_env", env)
         self.sampling = sampling or SamplingConfig()
         check_greedy(self.sampling)
-        self.seed, self.version, self.requests = seed, 0, 0
         self.is_unmodified = is_unmodified(self.sampling)
         self._vllm = import_vllm()
         if isinstance(model, str | os.PathLike):
@@ -136,8 +135,12 @@ class VLLMPolicy:
         _check_head_size(model_config.hf_config.to_dict(), "the engine's model")
         self.max_model_len = int(model_config.max_model_len)
         check_logprobs_mode(model_config.logprobs_mode, self.is_unmodified)
-        _check_fits(model_config, self.env)
-        _check_tokenizer(self.llm, self.env.tokenizer, model_config)
+        # the engine's tokenizer only finds stop strings; without one the env alone does
+        probe = None if model_config.skip_tokenizer_init else self.llm.get_tokenizer().decode(probe_ids(self.env.tokenizer))
+        check_fits_env(self.env, "the vLLM engine's model", vocab_size=int(model_config.hf_config.vocab_size),
+                       positions=self.max_model_len, sampling=self.sampling, probe_text=probe,
+                       length_fix="build the env with max_length={positions} or the engine with a larger max_model_len",
+                       tokenizer_fix=f"save the env's tokenizer into the model directory ({model_config.tokenizer})")  # fmt: skip
 
     # -- generation --
     def _sampling_params(self):
@@ -162,6 +165,7 @@ class VLLMPolicy:
         params = self._request_params(request, budgets)
         prompts = [{"prompt_token_ids": p.tolist()} for p in request.prompts]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.seeds.advance(n)
         return self._result([o.outputs[0] for o in outputs])
 
     def _check_request(self, request: WaveRequest) -> list[int]:
@@ -171,10 +175,8 @@ class VLLMPolicy:
         base = dict(self._base_params, stop_token_ids=list(request.eos_token_ids))
         if request.stop_strings and self._can_stop_strings:
             base.update(stop=list(request.stop_strings), detokenize=True)
-        greedy = self.sampling.greedy
-        first, self.requests = self.requests, self.requests + len(budgets)
         make = self._vllm.SamplingParams
-        seeds = request_seeds(self.seed, first, len(budgets), greedy=greedy)
+        seeds = self.seeds.next(len(budgets), greedy=self.sampling.greedy)
         return [make(**base, max_tokens=m, seed=seed) for m, seed in zip(budgets, seeds, strict=True)]
 
     def _result(self, completions) -> WaveResult:
@@ -205,15 +207,15 @@ class VLLMPolicy:
     # -- state --
     def set_seed(self, seed: int) -> None:
         """Restart the per-request seeds from ``seed``."""
-        self.seed, self.requests = int(seed), 0
+        self.seeds.reseed(seed)
 
-    def state_dict(self, *, include_cache: bool = True) -> dict:
+    def collection_state(self) -> dict:
         """Seed, request counter and version (the prefix cache is a cache: it is not saved)."""
-        return {"seed": self.seed, "requests": self.requests, "version": self.version}
+        return self.seeds.collection_state(version=self.version)
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`."""
-        self.seed, self.requests, self.version = int(state["seed"]), int(state["requests"]), int(state["version"])
+    def load_collection_state(self, state: dict) -> None:
+        """Restore :meth:`collection_state`."""
+        self.version = self.seeds.load_collection_state(state)
 
     def close(self) -> None:
         """Stop the engine if this policy started it (an ``LLM`` passed in stays the caller's).
@@ -253,30 +255,3 @@ def _check_head_size(config: dict, what: str) -> None:
         raise ValueError(f"{what} has attention head size {head} (hidden_size {hidden} / {heads} heads), which vLLM's CPU "
                          f"attention cannot run (it runs {supported}); use a model with one of those head sizes, e.g. "
                          "tokengym.testing.tiny_model(tok, size='small') (64), or TransformersPolicy on CPU")  # fmt: skip
-
-
-def _check_fits(model_config, env) -> None:
-    model_vocab, tok_vocab = int(model_config.hf_config.vocab_size), len(env.tokenizer)
-    if model_vocab < tok_vocab:
-        raise ValueError(f"the engine's model has vocab_size {model_vocab}, smaller than the env tokenizer's {tok_vocab}: "
-                         "the model and the tokenizer do not match")  # fmt: skip
-    if model_vocab > env.vocab_size:
-        raise ValueError(f"the engine's model can emit ids up to {model_vocab - 1} but the env accepts [0, {env.vocab_size}); "
-                         "build the env with model_config=model.config")  # fmt: skip
-    if int(model_config.max_model_len) < env.max_length:
-        raise ValueError(
-            f"the engine's max_model_len {model_config.max_model_len} is shorter than the env's max_length "
-            f"{env.max_length}: long prompts would not fit; build the env with max_length={model_config.max_model_len} "
-            "or the engine with a larger max_model_len"
-        )
-
-
-def _check_tokenizer(llm, tokenizer, model_config) -> None:
-    """An engine tokenizer (used only to find stop strings) must be the env's."""
-    if model_config.skip_tokenizer_init:
-        return
-    engine_vocab = llm.get_tokenizer().get_vocab()
-    if engine_vocab != tokenizer.get_vocab():
-        differ = sorted(set(engine_vocab.items()) ^ set(tokenizer.get_vocab().items()))[:3]
-        raise ValueError(f"the engine's tokenizer ({model_config.tokenizer}) is not the env's (first differences "
-                         f"{differ}); save the env's tokenizer into the model directory")  # fmt: skip

@@ -29,10 +29,11 @@ from tokengym.collectors.policies._vllm_requests import (
     check_greedy,
     empty_result,
     is_unmodified,
-    request_seeds,
     sampling_fields,
     wave_result,
 )
+from tokengym.collectors.policies._wave_state import RequestSeeds
+from tokengym.collectors.policies.protocol import probe_ids
 from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
@@ -49,26 +50,20 @@ def _http():
     try:
         import httpx
 
-        from tokengym.collectors.policies._server_checks import (
-            check_fleet,
-            check_server,
-            inspect_server,
-            probe_ids,
-        )
+        from tokengym.collectors.policies._server_checks import check_fleet, check_server, inspect_server
         from tokengym.collectors.policies._server_fleet import ServerFleet
     except ImportError as err:
         raise ImportError(
             f"VLLMServerPolicy needs httpx: pip install httpx (it comes with vllm) ({err})"
         ) from err
-    checks = types.SimpleNamespace(check_fleet=check_fleet, check_server=check_server, inspect_server=inspect_server,
-                                   probe_ids=probe_ids)  # fmt: skip
+    checks = types.SimpleNamespace(check_fleet=check_fleet, check_server=check_server, inspect_server=inspect_server)
     return httpx, ServerFleet, checks
 
 
 class VLLMServerPolicy:
     """Generates every live slot's turn of a :class:`~tokengym.llm_envs.TokenEnv` on running vLLM servers.
 
-    Implements :class:`~tokengym.collectors.TokenPolicy` for waves (``TokenCollector(..., source="wave")``).
+    A :class:`~tokengym.collectors.policies.protocol.WavePolicy` (``TokenCollector(..., source="wave")``).
     One ``/v1/completions`` request per slot, spread over the live servers (least outstanding requests; a
     multi-turn trajectory stays on its server so its prefix cache is reused). A server that dies, times
     out or answers 5xx is marked down and its requests go to another server with the same seeds: the wave
@@ -110,14 +105,12 @@ class VLLMServerPolicy:
             raise ValueError(f"urls must be one or more server URLs like 'http://host:8000', got {urls!r}")
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        self.seeds, self.version = RequestSeeds(seed), 0
         if options is not None and not isinstance(options, ServerOptions):
             raise TypeError(f"options must be a ServerOptions, got {type(options).__name__}")
         self.env = getattr(env, "base_env", env)
         self.sampling, self.options = sampling or SamplingConfig(), options or ServerOptions()
         check_greedy(self.sampling)
-        self.seed, self.version, self.requests = seed, 0, 0
         self.is_unmodified = is_unmodified(self.sampling)
         if self.options.transport is not None and not isinstance(self.options.transport, WeightTransport):
             raise TypeError(f"options.transport must implement WeightTransport (publish, load_calls, close), got "
@@ -142,7 +135,7 @@ class VLLMServerPolicy:
 
     def _check_servers(self) -> None:
         async def inspect_all():
-            ids = checks.probe_ids(self.env.tokenizer)
+            ids = probe_ids(self.env.tokenizer)
             return await asyncio.gather(
                 *(checks.inspect_server(self.fleet, s, ids) for s in self.fleet.servers)
             )
@@ -150,7 +143,8 @@ class VLLMServerPolicy:
         checks = self._checks
         self.answers = self.fleet.run(inspect_all())
         for answer in self.answers:
-            checks.check_server(answer, self.env, is_unmodified=self.is_unmodified, model=self.options.model)
+            checks.check_server(answer, self.env, is_unmodified=self.is_unmodified, model=self.options.model,
+                                sampling=self.sampling)
         checks.check_fleet(self.answers)
         for server, answer in zip(self.fleet.servers, self.answers, strict=True):
             server.model, server.max_model_len = answer["model"], answer["max_model_len"]
@@ -175,7 +169,7 @@ class VLLMServerPolicy:
         if n == 0:
             return empty_result(self.is_unmodified, self.version)
         budgets = check_budgets(request, self.max_model_len, where="the vLLM server")
-        seeds = request_seeds(self.seed, self.requests, n, greedy=self.sampling.greedy)
+        seeds = self.seeds.next(n, greedy=self.sampling.greedy)
         base = dict(self._base, stop_token_ids=list(request.eos_token_ids))
         if request.stop_strings and self.can_stop_strings:
             # the API takes at most 4; any subset is safe: the env cuts every turn at its first stop string
@@ -184,7 +178,7 @@ class VLLMServerPolicy:
                     for p, m, s in zip(request.prompts, budgets, seeds, strict=True)]  # fmt: skip
         with self._thread_lock, self.fleet_lock.shared() as (fleet_version, _):
             answers = self.fleet.complete(payloads, self._sticky_keys(request))
-        self.requests += n  # only once the wave is complete: a failed wave is sent again with the same seeds
+        self.seeds.advance(n)  # only once the wave is complete: a failed wave is sent again with the same seeds
         choices = [a["choices"][0] for a in answers]
         log_probs = [(c.get("logprobs") or {}).get("token_logprobs") for c in choices]
         # stamped with the version the servers hold (a process sharing them may have loaded newer weights)
@@ -307,19 +301,15 @@ class VLLMServerPolicy:
     # -- state --
     def set_seed(self, seed: int) -> None:
         """Restart the per-request seeds from ``seed``."""
-        self.seed, self.requests = int(seed), 0
+        self.seeds.reseed(seed)
 
-    def state_dict(self, *, include_cache: bool = True) -> dict:
+    def collection_state(self) -> dict:
         """Seed, request counter and version (the servers' prefix caches are caches: not saved)."""
-        return {"seed": self.seed, "requests": self.requests, "version": self.version}
+        return self.seeds.collection_state(version=self.version)
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`."""
-        self.seed, self.requests, self.version = (
-            int(state["seed"]),
-            int(state["requests"]),
-            int(state["version"]),
-        )
+    def load_collection_state(self, state: dict) -> None:
+        """Restore :meth:`collection_state`."""
+        self.version = self.seeds.load_collection_state(state)
 
     def close(self) -> None:
         """Close the HTTP client and remove this policy's own weight files (the servers keep running)."""

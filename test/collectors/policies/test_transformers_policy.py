@@ -93,7 +93,7 @@ def test_vocab_mismatch_is_rejected(tokenizer, make_env):
         TransformersPolicy(big, env)
     small_vocab = tiny_model(tokenizer)
     small_vocab.config.vocab_size = 300
-    with pytest.raises(ValueError, match=r"vocab_size 300 is smaller than the env tokenizer's 512"):
+    with pytest.raises(ValueError, match=r"has vocab_size 300, smaller than the env tokenizer's 512"):
         TransformersPolicy(small_vocab, env)
 
 

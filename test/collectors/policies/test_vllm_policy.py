@@ -186,13 +186,13 @@ def test_seeded_waves_repeat_and_resume(qwen2):
         return policy.generate(env.wave_request())
 
     policy = qwen2.policy(env, seed=11)
-    first, state = wave(policy), policy.state_dict()
+    first, state = wave(policy), policy.collection_state()
     second = wave(policy)
     assert len({tuple(row.tolist()) for row in first.actions}) > 1  # same prompt, distinct per-request seeds
     assert not torch.equal(first.actions, second.actions)
     again = qwen2.policy(env, seed=11)
     assert torch.equal(wave(again).actions, first.actions)
-    again.load_state_dict(state)
+    again.load_collection_state(state)
     resumed = wave(again)
     assert torch.equal(resumed.actions, second.actions) and torch.equal(resumed.log_probs, second.log_probs)
 
@@ -297,7 +297,7 @@ def test_bad_construction_arguments(qwen2, tmp_path):
     big = TokenEnv(PROMPTS, tiny_tokenizer(2048), max_length=64)
     with pytest.raises(ValueError, match=r"vocab_size 5\d\d, smaller than the env tokenizer's \d{3,4}"):
         VLLMPolicy(qwen2.owner.llm, big)
-    with pytest.raises(ValueError, match="max_model_len 128 is shorter than the env's max_length 512"):
+    with pytest.raises(ValueError, match=r"max_length=512 tokens but the vLLM engine's model has 128 positions; build the env with max_length=128"):
         VLLMPolicy(qwen2.owner.llm, qwen2.env(max_length=512))
     with pytest.raises(ValueError, match=r"greedy with temperature=0.5.*use SamplingConfig\(greedy=True\)"):
         VLLMPolicy(qwen2.owner.llm, env, sampling=SamplingConfig(greedy=True, temperature=0.5))

@@ -312,7 +312,7 @@ def test_clear_errors_at_construction(fleet):
     with pytest.raises(ValueError, match=r"has vocab_size 512, smaller than the env tokenizer's 2048"):
         fleet.policy(big)
     with pytest.raises(
-        ValueError, match=r"max_model_len 128 is shorter than the env's max_length 256.*--max-model-len"
+        ValueError, match=r"max_length=256 tokens but vLLM server http://\S+ has 128 positions; .*--max-model-len"
     ):
         fleet.policy(fleet.env(max_length=256))
     with pytest.raises(ValueError, match=r"greedy with temperature=0.5"):
@@ -337,14 +337,17 @@ def test_clear_errors_at_construction(fleet):
 
 def test_a_4xx_answer_raises_at_once_with_the_servers_message(fleet):
     env = fleet.env()
-    policy = fleet.policy(env, sampling=SamplingConfig(banned_token_ids=(100_000,)))
+    with pytest.raises(ValueError, match=r"banned_token_ids \[100000\] are outside the model's vocabulary \[0, 512\)"):
+        fleet.policy(env, sampling=SamplingConfig(banned_token_ids=(100_000,)))  # check_fits_env: at construction
+    policy = fleet.policy(env)
+    policy._base["logit_bias"] = {"100000": -100.0}  # what the server refuses, past the construction checks
     env.reset()
     try:
         with pytest.raises(
             RequestRejected, match=r"HTTP 400: token_id\(s\) \[100000\] in logit_bias contain out-of-vocab"
         ):
             policy.generate(env.wave_request())
-        assert all(s.is_up for s in policy.fleet.servers) and policy.requests == 0
+        assert all(s.is_up for s in policy.fleet.servers) and policy.seeds.requests == 0
     finally:
         policy.close()
 
@@ -404,7 +407,7 @@ def test_a_server_killed_mid_wave_loses_nothing(fleet):
         ids = batch[keys.TRAJ_ID][:, 0].tolist()
         assert sorted(ids) == list(range(8))  # every trajectory once
         assert not policy.fleet.servers[1].is_up
-        state = policy.state_dict()
+        state = policy.collection_state()
         os.killpg(fleet.servers[0].process.pid, signal.SIGSTOP)  # the last server hangs too
         try:
             with pytest.raises(NoServerError, match=r"no vLLM server left .*127\.0\.0\.1.*127\.0\.0\.1"):
@@ -412,7 +415,7 @@ def test_a_server_killed_mid_wave_loses_nothing(fleet):
                 policy.generate(env.wave_request())
         finally:
             os.killpg(fleet.servers[0].process.pid, signal.SIGCONT)
-        assert policy.state_dict() == state  # a failed wave consumes no seeds: a checkpoint resumes exactly
+        assert policy.collection_state() == state  # a failed wave consumes no seeds: a checkpoint resumes exactly
     finally:
         killer.join()
         collector.shutdown()
