@@ -632,10 +632,23 @@ class TokenEnv(EnvBase):
         for i, (b, result) in enumerate(zip(turns.slots, results, strict=True)):
             if result.is_done or turns.is_final[i]:
                 continue
-            ids = self._renderer.feedback_ids(turns.response_ids[i], result.messages())
+            if isinstance(result.feedback, torch.Tensor):
+                ids = self._checked_feedback_ids(result.feedback, turns, i)
+            else:
+                ids = self._renderer.feedback_ids(turns.response_ids[i], result.messages())
             if ends[b] + len(ids) + 1 <= self.max_length:  # else the feedback does not fit: the episode ends here
                 appended[b] = ids
         return appended
+
+    def _checked_feedback_ids(self, ids: torch.Tensor, turns: FinishedTurns, i: int) -> torch.Tensor:
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not len(ids):
+            raise RewardFunctionError(f"{self.turns.name} gave feedback ids of dtype {ids.dtype} and shape "
+                                      f"{tuple(ids.shape)} for slot {turns.slots[i]}; give a non-empty int64 (n,) tensor")  # fmt: skip
+        lo, hi = (int(x) for x in torch.aminmax(ids))
+        if lo < 0 or hi >= self.vocab_size:
+            raise RewardFunctionError(f"{self.turns.name} gave feedback id {lo if lo < 0 else hi} for slot "
+                                      f"{turns.slots[i]}, outside the vocabulary [0, {self.vocab_size})")  # fmt: skip
+        return ids.clone()
 
     def _archive(self, done: torch.Tensor, new_len: torch.Tensor) -> None:
         slots = done.nonzero().squeeze(-1)

@@ -46,7 +46,9 @@ class Turn:
     Attributes:
         reward: reward of this turn, given at its last token (finite).
         feedback: the env's answer, appended in the slot before the model's next turn: a text (one message
-            of ``role``) or chat messages (``[{"role": "tool", "content": ...}, ...]``); ``None``: no answer.
+            of ``role``), chat messages (``[{"role": "tool", "content": ...}, ...]``), rendered by the env with
+            the chat template after the turn, or token ids (int64, 1-D) the handler rendered itself against
+            the slot's tokens (:meth:`FinishedTurns.history`), appended as they are; ``None``: no answer.
         role: chat role of a text ``feedback`` (``"user"``, or ``"tool"`` for a tool result).
         done: whether the episode ends with this turn; ``None`` (default): it ends when there is no feedback.
             The env also ends it at ``max_turns``, at the episode budget and when the feedback does not fit.
@@ -57,7 +59,7 @@ class Turn:
     """
 
     reward: float
-    feedback: str | Sequence[Message] | None = None
+    feedback: str | Sequence[Message] | torch.Tensor | None = None
     role: str = "user"
     done: bool | None = None
 
@@ -67,8 +69,8 @@ class Turn:
         return self.feedback is None if self.done is None else bool(self.done)
 
     def messages(self) -> list[dict]:
-        """The feedback as chat messages (``[]`` without feedback)."""
-        if self.feedback is None:
+        """The feedback as chat messages (``[]`` without feedback or with feedback token ids)."""
+        if self.feedback is None or isinstance(self.feedback, torch.Tensor):
             return []
         if isinstance(self.feedback, str):
             return [{"role": self.role, "content": self.feedback}]

@@ -132,3 +132,28 @@ def test_text_env_role_reaches_the_template():
     text = tok.decode(sequence)
     assert tok.decode(tool) in text and "<|user|>4" not in text
     env.close()
+
+
+def test_feedback_ids_rendered_by_the_handler_are_appended_as_they_are():
+    tok = tiny_tokenizer()
+
+    class Echo(TurnHandler):
+        def end_turns(self, turns):
+            ids = torch.tensor(_ids(tok, "<|user|>go on<|end|><|assistant|>"))
+            return [Turn(0.0, ids) if t == 0 else Turn(1.0) for t in turns.turns]
+
+    env = TokenEnv(["hi"], tok, turns=Echo(), max_turns=2, batch_size=1, max_new_tokens=32, max_length=128)
+    end = int(env.turn_close_ids[0])
+    steps = _play(env, [[40, end], [41, end]])
+    assert bool(steps[-1][keys.DONE])
+    sequence = env.pop_finished_sequences()[0].tolist()
+    assert sequence == _ids(tok, "hi") + [40, end] + _ids(tok, "<|user|>go on<|end|><|assistant|>") + [41, end]
+
+    class Bad(TurnHandler):
+        def end_turns(self, turns):
+            return [Turn(0.0, torch.tensor([10_000]))]
+
+    env = TokenEnv(["hi"], tok, turns=Bad(), max_turns=2, batch_size=1, max_length=64)
+    td = env.reset()
+    with pytest.raises(ValueError, match=r"feedback id 10000 for slot 0, outside the vocabulary \[0, 512\)"):
+        env.step(td.set(keys.ACTION, torch.tensor([end])))
