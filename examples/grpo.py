@@ -5,7 +5,7 @@
 ``("log_probs", "full")``, ``"advantage"`` token-aligned) and :class:`~tokengym.collectors.PaddedSequenceActor`
 is the actor it expects, so the loss runs on a collected batch with its default keys, no adapter.
 The KL to the reference model is shaped into the reward by ``KLRewardTransform`` before the group
-advantage, as in the demo.
+advantage, as in the demo. :func:`tokengym.training.train` runs the loop.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import torch
 from torchrl.objectives.llm import GRPOLoss
 
 from tokengym.collectors import PaddedSequenceActor, SamplingConfig, TokenCollector, TransformersPolicy
-from tokengym.llm_envs import TokenEnv, keys
+from tokengym.llm_envs import TokenEnv
 from tokengym.llm_envs.tasks import arithmetic_prompts
 from tokengym.testing import tiny_model, tiny_tokenizer
+from tokengym.training import TrainOptions, train
 from tokengym.transforms import AdaptiveKLController, GroupAdvantage, KLRewardTransform, to_padded
 
 
@@ -55,24 +56,13 @@ def main(iterations: int = 30, quick: bool = False, seed: int = 0) -> list[float
     loss = GRPOLoss(PaddedSequenceActor(model), clip_epsilon=0.2, entropy_bonus=False)
     optim = torch.optim.Adam(model.parameters(), lr=3e-3)
 
-    rewards: list[float] = []
-    for i, batch in enumerate(collector):
-        data = to_padded(advantage(batch), pad_id=tok.pad_token_id)
-        model.train()
-        for _ in range(2):
-            out = loss(data)
-            optim.zero_grad()
-            out.loss_objective.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optim.step()
-        model.eval()
-        collector.update_policy_weights_()
-        rewards.append(float(batch.get(keys.REWARD_RAW).squeeze(-1).sum(-1).mean()))
-        print(f"iter {i:3d}  reward {rewards[-1]:.3f}  loss {float(out.loss_objective.detach()):+.4f}  "
-              f"clip {float(out.clip_fraction):.3f}  ESS {float(out.ESS):.3f}")  # fmt: skip
-        if i + 1 >= iterations:
-            break
-    return rewards
+    def show(row: dict, data) -> None:
+        print(f"iter {row['iter']:3d}  reward {row['reward']:.3f}  loss {row['loss']:+.4f}  "
+              f"clip {row['clip_fraction']:.3f}  ESS {row['ESS']:.3f}")  # fmt: skip
+
+    rows = train(collector, loss, optim, iterations=iterations, options=TrainOptions(epochs=2, max_grad_norm=1.0),
+                 prepare=lambda batch: to_padded(advantage(batch), pad_id=tok.pad_token_id), on_iteration=show)  # fmt: skip
+    return [row["reward"] for row in rows]  # the collector's mean task reward (KL-free) of each batch
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ right-padded (``keys.MASK`` False on padding) -> KLRewardTransform shapes the re
 to a frozen reference model -> a small critic (a linear value head on the LM's last hidden states)
 writes ``state_value`` / ``("next", "state_value")`` -> torchrl ``GAE`` computes advantage and
 value_target -> ``ClipPPOLoss`` trains the policy; the value head is trained with an MSE on the targets.
+:func:`tokengym.training.train` runs the loop; GAE and the value head are its two callbacks.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tokengym.collectors import SamplingConfig, SequenceActor, TokenCollector, T
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.llm_envs.tasks import arithmetic_prompts, arithmetic_reward
 from tokengym.testing import tiny_model, tiny_tokenizer
+from tokengym.training import TrainOptions, train
 from tokengym.transforms import AdaptiveKLController, KLRewardTransform
 from tokengym.transforms.sequences import sequence_layout
 
@@ -89,37 +91,30 @@ def main(iterations: int = 30, quick: bool = False, seed: int = 0) -> list[float
     optim = torch.optim.Adam(model.parameters(), lr=3e-3)
     value_optim = torch.optim.Adam(value_head.parameters(), lr=1e-2)
 
-    rewards: list[float] = []
-    for i, batch in enumerate(collector):
+    hidden = None  # the states the value head saw, kept for its update after the policy's
+
+    def prepare(batch: TensorDictBase) -> TensorDictBase:
+        nonlocal hidden
         hidden = add_values(batch, model, value_head, tok.pad_token_id)
         gae(batch)  # writes keys.ADVANTAGE and keys.VALUE_TARGET [N, T, 1] (GAE runs along dim -2 = time)
         mask = batch.get(keys.MASK).unsqueeze(-1)
         batch.set(keys.ADVANTAGE, torch.where(mask, batch.get(keys.ADVANTAGE), 0.0))  # padding: no signal
+        return batch  # loss_objective is a mean over valid steps (("collector", "mask") is honoured)
 
-        model.train()
-        for _ in range(2):  # two PPO epochs over the batch
-            out = loss(batch)  # loss_objective is a mean over valid steps (("collector", "mask") is honoured)
-            optim.zero_grad()
-            out["loss_objective"].backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optim.step()
-        model.eval()
-        collector.update_policy_weights_()
-
+    def train_value_head(row: dict, batch: TensorDictBase) -> None:
         # critic: MSE between the value head and GAE's value target, on valid steps only
         value_error = (value_head(hidden) - batch.get(keys.VALUE_TARGET)).pow(2)
-        value_loss = value_error[mask].mean()
+        value_loss = value_error[batch.get(keys.MASK).unsqueeze(-1)].mean()
         value_optim.zero_grad()
         value_loss.backward()
         value_optim.step()
+        print(f"iter {row['iter']:3d}  reward {row['reward']:.3f}  kl-beta {kl.beta:.4f}  "
+              f"policy loss {row['loss']:+.4f}  value loss {float(value_loss.detach()):.4f}")  # fmt: skip
 
-        task_reward = float(batch.get(keys.REWARD_RAW).squeeze(-1).sum(-1).mean())
-        rewards.append(task_reward)
-        print(f"iter {i:3d}  reward {task_reward:.3f}  kl-beta {kl.beta:.4f}  "
-              f"policy loss {float(out['loss_objective'].detach()):+.4f}  value loss {float(value_loss.detach()):.4f}")  # fmt: skip
-        if i + 1 >= iterations:
-            break
-    return rewards
+    # two PPO epochs over each batch, then the value head
+    rows = train(collector, loss, optim, iterations=iterations, options=TrainOptions(epochs=2, max_grad_norm=1.0),
+                 prepare=prepare, on_iteration=train_value_head)  # fmt: skip
+    return [row["reward"] for row in rows]  # the collector's mean task reward (KL-free) of each batch
 
 
 if __name__ == "__main__":

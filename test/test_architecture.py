@@ -65,7 +65,7 @@ def _key_strings() -> set[str]:
 
 _NESTED_ROOTS = {k[0] for k in vars(keys).values() if isinstance(k, tuple) and k and isinstance(k[0], str)}
 # metric names that happen to equal a key string, read from a metrics dict (not a TensorDict)
-_METRIC_READS = {("tokengym/_demo.py", "kl")}
+_METRIC_READS = {("tokengym/training.py", "kl")}
 _KEY_METHODS = {"get", "set", "set_non_tensor", "get_non_tensor", "exclude", "select", "pop", "rename_key_"}
 
 

@@ -20,11 +20,13 @@ import time
 import torch
 from torchrl.objectives import ClipPPOLoss
 
+from tokengym import training
 from tokengym.collectors import SamplingConfig, SequenceActor, TokenCollector, TransformersPolicy
 from tokengym.collectors.async_collector import AsyncCollector
 from tokengym.llm_envs import TokenEnv
 from tokengym.llm_envs.tasks import arithmetic_reward
 from tokengym.testing import tiny_model, tiny_tokenizer
+from tokengym.training import TrainOptions
 from tokengym.transforms import AdaptiveKLController, GroupAdvantage, KLRewardTransform
 
 
@@ -206,7 +208,6 @@ def train(config: DemoConfig, *, log=None) -> tuple[list[dict], list[dict]]:
     is_scaled = bool(config.workers or config.async_)
     if is_scaled:
         collector = scale_out(config, model, collector, train_problems)
-    advantage = GroupAdvantage("grpo")
     evals: list[dict] = []
 
     def evaluate(i: int) -> dict:
@@ -215,34 +216,19 @@ def train(config: DemoConfig, *, log=None) -> tuple[list[dict], list[dict]]:
         return evals[-1]
 
     evaluate(-1)  # after the warm start, before RL
-    rows: list[dict] = []
     log(_HEADER)
-    for i, batch in enumerate(collector):
-        batch = advantage(batch)
-        model.train()
-        for _ in range(2):  # two optimizer steps per batch, PPO-style reuse
-            out = loss(batch)
-            optim.zero_grad()
-            out["loss_objective"].backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optim.step()
-        model.eval()
-        if is_scaled:
-            collector.update_policy_weights_(model.state_dict())
-        else:
-            collector.update_policy_weights_()  # the policy's model was trained in place
-        m = collector.metrics
-        rows.append({"iter": i, "reward": m["mean_reward"], "kl": m.get("kl", float("nan")),
-                     "beta": m.get("beta", float("nan")), "tokens_per_s": m["tokens_per_s"],
-                     "loss": float(out["loss_objective"].detach())})  # fmt: skip
-        is_last = i + 1 >= config.iterations
-        e = evaluate(i) if (i + 1) % config.eval_every == 0 or is_last else None
-        r = rows[-1]
+
+    def show(r: dict, _batch) -> None:
+        is_last = r["iter"] + 1 >= config.iterations
+        e = evaluate(r["iter"]) if (r["iter"] + 1) % config.eval_every == 0 or is_last else None
         acc = f"{e['train']:>9.3f} {e['held_out']:>9.3f}" if e else f"{'':>9} {'':>9}"
-        log(f"{i:>4} {r['reward']:>7.3f} {r['kl']:>7.3f} {r['beta']:>7.4f} {r['tokens_per_s']:>7.0f} "
+        log(f"{r['iter']:>4} {r['reward']:>7.3f} {r['kl']:>7.3f} {r['beta']:>7.4f} {r['tokens_per_s']:>7.0f} "
             f"{r['loss']:>8.4f} {acc}".rstrip())  # fmt: skip
-        if is_last:
-            break
+
+    # two optimizer steps per batch (PPO-style reuse); a scaled-out collector holds its own copy of the weights
+    rows = training.train(collector, loss, optim, iterations=config.iterations, options=TrainOptions(epochs=2),
+                          prepare=GroupAdvantage("grpo"), on_iteration=show,
+                          weights=model.state_dict if is_scaled else None)  # fmt: skip
     collector.shutdown()
     return rows, evals
 

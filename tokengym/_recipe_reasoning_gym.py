@@ -18,6 +18,7 @@ import time
 import torch
 from torchrl.objectives import ClipPPOLoss
 
+from tokengym import training
 from tokengym._demo import warm_start
 from tokengym.collectors import SamplingConfig, SequenceActor, TokenCollector, TransformersPolicy
 from tokengym.llm_envs import TokenEnv
@@ -27,6 +28,7 @@ from tokengym.llm_envs.adapters.reasoning_gym import (
     reasoning_gym_prompts,
 )
 from tokengym.testing import tiny_model, tiny_tokenizer
+from tokengym.training import TrainOptions
 from tokengym.transforms import AdaptiveKLController, GroupAdvantage, KLRewardTransform
 
 
@@ -162,30 +164,18 @@ def train(config: RecipeConfig, *, log=print) -> list[dict]:
     e = evaluate("warm start")
     log(f"after the warm start: greedy accuracy training {e['train']:.3f}, held-out {e['held_out']:.3f}")
     collector, loss, optim = build(config, model, tok, reward, train_problems)
-    advantage = GroupAdvantage("grpo")
     # Adam's first steps move every weight by ~lr whatever its gradient: a linear warm-up keeps them small
     warmup = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / (2 * config.warmup_iterations)))
     log(_HEADER)
-    for i, batch in enumerate(collector):
-        batch = advantage(batch)
-        model.train()
-        for _ in range(config.epochs):
-            out = loss(batch)
-            optim.zero_grad()
-            out["loss_objective"].backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optim.step()
-            warmup.step()
-        model.eval()
-        collector.update_policy_weights_()
-        m = collector.metrics
-        is_last = i + 1 >= config.iterations
-        e = evaluate(i) if (i + 1) % config.eval_every == 0 or is_last else None
+
+    def show(r: dict, _batch) -> None:
+        is_last = r["iter"] + 1 >= config.iterations
+        e = evaluate(r["iter"]) if (r["iter"] + 1) % config.eval_every == 0 or is_last else None
         acc = f"{e['train']:>9.3f} {e['held_out']:>9.3f}" if e else ""
-        kl = m["kl"] if "kl" in m else float("nan")  # a metrics dict, not a TensorDict
-        log(f"{i:>4} {m['mean_reward']:>7.3f} {kl:>7.3f} {m['tokens_per_s']:>7.0f} {acc}".rstrip())
-        if is_last:
-            break
+        log(f"{r['iter']:>4} {r['reward']:>7.3f} {r['kl']:>7.3f} {r['tokens_per_s']:>7.0f} {acc}".rstrip())
+
+    training.train(collector, loss, optim, iterations=config.iterations, options=TrainOptions(epochs=config.epochs),
+                   prepare=GroupAdvantage("grpo"), on_iteration=show, scheduler=warmup)  # fmt: skip
     collector.shutdown()
     return evals
 
