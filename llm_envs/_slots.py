@@ -1,13 +1,16 @@
-"""Writes of prompts into a token env's slots: the token buffer and the per-slot state, vectorized over slots."""
+"""A token env's slots (token buffer, per-slot state, prompts, done flags) and the writes of prompts into them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from tensordict import TensorDict
 
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.prompts import Prompt
 
-__all__ = ["write_prompts"]
+__all__ = ["Slots", "write_prompts"]
 
 _KEYS = (keys.TOKEN, keys.SEQ_LEN, keys.PROMPT_LEN, keys.RESPONSE_LEN, keys.TURN, keys.TRAJ_ID, keys.GROUP_ID,
          keys.SAMPLE_ID, keys.ACTIVE)  # fmt: skip
@@ -52,3 +55,150 @@ def write_prompts(tokens: torch.Tensor, state: dict, loaded: list[tuple[int, Pro
     state[keys.GROUP_ID][slots] = torch.tensor([p.group_id for _, p in loaded])
     state[keys.SAMPLE_ID][slots] = torch.tensor([p.sample_id for _, p in loaded])
     state[keys.ACTIVE][slots] = True
+
+
+class Slots:
+    """The B slots of a token env: the ``(B, L)`` token buffer, the per-slot state (``(B,)`` tensors by key),
+    the prompt each slot works on, done flags and the finished multi-turn sequences.
+
+    Tensors handed out in observations are never written afterwards: a refill or a turn change copies
+    the state first (:meth:`copy_on_write`), a step replaces the tensors it changes. Plain attributes of a
+    plain object (an ``nn.Module``'s ``__setattr__`` costs microseconds per step).
+    """
+
+    def __init__(self, batch_size: int, max_length: int) -> None:
+        B = batch_size
+        self.tokens = torch.zeros(B, max_length, dtype=torch.int64)  # (B, L) the sequences, written once
+        self.flat = self.tokens.view(-1)  # the same buffer, indexed by row * L + position (one index, no pairs)
+        self.row_start = torch.arange(B) * max_length
+        self.state = {k: torch.zeros(B, dtype=torch.bool if k == keys.ACTIVE else torch.int64) for k in _KEYS}
+        self.done = torch.zeros(B, dtype=torch.bool)
+        self.prompts: list[Prompt | None] = [None] * B
+        self.is_reset = False
+        self.any_done = False  # True while a slot is done and not refilled: kept with ``done``
+        self.flags: tuple = ()  # (done, terminated, truncated) (B, 1) of the last step, as its "next" holds them
+        self.next_traj = 0
+        # the lengths at which slots reach a limit (None: recompute, slots changed), that of the budget and
+        # context alone, and whether every slot is live (then a step needs no masking)
+        self.deadline: torch.Tensor | None = None
+        self.budget_deadline: torch.Tensor | None = None
+        self.all_active = False
+        # full token sequences (prompt, turns, feedback) of finished multi-turn episodes, by trajectory id,
+        # until a collector takes them (bounded: the oldest go first)
+        self.finished: dict[int, torch.Tensor] = {}
+        self.max_finished = 4096
+
+    def copy_on_write(self) -> None:
+        """Replace the state tensors by copies before writing slots (earlier observations keep theirs)."""
+        self.deadline = None  # slots change: the step's deadlines are recomputed
+        self.state = {k: v.clone() for k, v in self.state.items()}
+        self.done = self.done.clone()
+
+    def observation(self, done, terminated, truncated, reward=None) -> TensorDict:
+        """The state as a TensorDict, with the flags (and reward) given: the state tensors are shared."""
+        out = dict(self.state)
+        out.update(done=done, terminated=terminated, truncated=truncated)
+        if reward is not None:
+            out["reward"] = reward
+        return TensorDict._new_unsafe(out, batch_size=self.done.shape)
+
+    def load(self, loaded: list[tuple[int, Prompt]]) -> None:
+        """Put prompts into slots (one write per key), under the next trajectory ids; the slots are not done."""
+        write_prompts(self.tokens, self.state, loaded, self.next_traj)
+        for b, prompt in loaded:
+            self.prompts[b] = prompt
+            self.done[b] = False
+        self.next_traj += len(loaded)
+
+    def idle(self, b: int, *, is_done: bool) -> None:
+        """Empty slot ``b``: no prompt (the source is exhausted, or its prompt failed and ``is_done``)."""
+        s = self.state
+        self.prompts[b] = None
+        s[keys.RESPONSE_LEN][b] = s[keys.TURN][b] = 0
+        s[keys.ACTIVE][b] = False
+        s[keys.SEQ_LEN][b] = s[keys.PROMPT_LEN][b] = 0  # a stale seq_len may equal max_length
+        self.done[b] = is_done
+
+    def set_deadlines(self, max_new_tokens: int, max_length: int, max_turn_tokens: int | None) -> None:
+        """The length at which each slot reaches a limit (its budget, the context, its turn's limit): a step and a
+        wave add as many tokens to ``seq_len`` as to ``response_len``, so it moves only when slots change."""
+        s = self.state
+        budget = torch.clamp(s[keys.SEQ_LEN] - s[keys.RESPONSE_LEN] + max_new_tokens, max=max_length)
+        self.budget_deadline = budget
+        turn = None if max_turn_tokens is None else s[keys.PROMPT_LEN] + max_turn_tokens
+        self.deadline = budget if turn is None else torch.minimum(budget, turn)
+        self.all_active = bool(s[keys.ACTIVE].all())
+
+    def commit(self, action, active, new_len, resp_len, done, *, any_done: bool) -> None:
+        """Make a step (or a wave's last step) the slots' state."""
+        s = self.state
+        s[keys.TOKEN] = action.clone() if self.all_active else torch.where(active, action, s[keys.TOKEN])
+        s[keys.SEQ_LEN], s[keys.RESPONSE_LEN] = new_len, resp_len
+        self.done, self.any_done = done, any_done
+
+    def continue_turns(self, appended: dict[int, torch.Tensor], new_len: torch.Tensor) -> int:
+        """Write each continuing slot's feedback ids after its turn and move it to its next turn (lengths past
+        the feedback, the turn counter up); returns the number of feedback tokens written."""
+        s = self.state
+        self.deadline = None  # seq_len jumps past the feedback, response_len does not
+        s[keys.SEQ_LEN], s[keys.TOKEN] = s[keys.SEQ_LEN].clone(), s[keys.TOKEN].clone()
+        s[keys.PROMPT_LEN], s[keys.TURN] = s[keys.PROMPT_LEN].clone(), s[keys.TURN].clone()
+        slots = torch.tensor(list(appended), dtype=torch.int64)
+        sizes = torch.tensor([len(ids) for ids in appended.values()], dtype=torch.int64)
+        end = new_len[slots] + sizes
+        s[keys.SEQ_LEN][slots] = end
+        s[keys.PROMPT_LEN][slots] = end
+        s[keys.TOKEN][slots] = torch.stack([ids[-1] for ids in appended.values()])
+        s[keys.TURN][slots] += 1
+        return int(sizes.sum())
+
+    def write_feedback(self, appended: dict[int, torch.Tensor], new_len: torch.Tensor) -> None:
+        """Write the feedback ids after each slot's turn (before :meth:`continue_turns` moves it)."""
+        ends = new_len.tolist()
+        for b, ids in appended.items():
+            self.tokens[b, ends[b] : ends[b] + len(ids)] = ids
+
+    def archive(self, done: torch.Tensor, new_len: torch.Tensor) -> None:
+        """Keep the full sequences of the slots whose episode ended (one gather, then views of it)."""
+        slots = done.nonzero().squeeze(-1)
+        if not len(slots):
+            return
+        trajs, ends = self.state[keys.TRAJ_ID][slots].tolist(), new_len[slots].tolist()
+        rows = self.tokens[slots, : max(ends)]
+        for i, (traj, end) in enumerate(zip(trajs, ends, strict=True)):
+            if len(self.finished) >= self.max_finished:
+                self.finished.pop(next(iter(self.finished)))
+            self.finished[traj] = rows[i, :end]
+
+    def state_dict(self) -> dict:
+        """The slots' contents as plain data (a checkpoint loads with ``torch.load(weights_only=True)``)."""
+        return {
+            "tokens": self.tokens.clone(),
+            "state": {k: v.clone() for k, v in self.state.items()},
+            "done": self.done.clone(),
+            "is_reset": self.is_reset,
+            "next_traj": self.next_traj,
+            "prompts": [None if p is None else {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+                        for p in self.prompts],  # fmt: skip
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` of slots of the same shape."""
+        saved = tuple(state["tokens"].shape)
+        if saved != tuple(self.tokens.shape):
+            raise ValueError(
+                f"this checkpoint is of an env with (batch_size, max_length) {saved}, this env has "
+                f"{tuple(self.tokens.shape)}; resume with the same batch_size and max_length"
+            )
+        if len(state["prompts"]) != len(self.prompts):
+            raise ValueError(
+                f"this checkpoint holds {len(state['prompts'])} slots but the env has batch_size {len(self.prompts)}; "
+                "resume with an env of the same batch_size"
+            )
+        self.tokens.copy_(state["tokens"])
+        self.state = {k: v.clone() for k, v in state["state"].items()}
+        self.deadline = None
+        self.done = state["done"].clone()
+        self.any_done = bool(self.done.any())
+        self.is_reset, self.next_traj = state["is_reset"], state["next_traj"]
+        self.prompts = [None if p is None else Prompt(**p) for p in state["prompts"]]

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torchrl.envs import EnvBase
 
 from tokengym.llm_envs import keys
 from tokengym.llm_envs._decode import ResponseDecoder
 from tokengym.llm_envs._env_checks import check_int, check_tokenizer, context_limit, eos_ids
-from tokengym.llm_envs._slots import write_prompts
+from tokengym.llm_envs._slots import Slots
 from tokengym.llm_envs._stop import StopChecker
 from tokengym.llm_envs.errors import PromptError, ResetNeeded, RewardFunctionError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
@@ -26,8 +25,6 @@ from tokengym.llm_envs.waves import WaveRequest, WaveResult
 __all__ = ["TokenEnv", "RewardFn"]
 
 RewardFn = Callable[[list[str], list[str], list[dict]], "Sequence[float] | torch.Tensor"]
-_STATE = (keys.TOKEN, keys.SEQ_LEN, keys.PROMPT_LEN, keys.RESPONSE_LEN, keys.TRAJ_ID, keys.GROUP_ID,
-          keys.SAMPLE_ID, keys.TURN, keys.ACTIVE)  # fmt: skip
 _NO_SEQUENCES: dict[int, torch.Tensor] = {}
 
 
@@ -150,10 +147,6 @@ class TokenEnv(EnvBase):
             self.eos_token_ids = self.eos_token_ids | {end_of_turn}  # the template's end of turn ends a turn
         self._stop = StopChecker(tokenizer, stop_strings, self.vocab_size)
         self.turn_metrics = {"turns": 0, "feedback_tokens": 0}
-        # full token sequences (prompt, turns, feedback) of finished multi-turn episodes, by trajectory
-        # id, until a collector takes them (bounded: the oldest go first)
-        self._finished: dict[int, torch.Tensor] = {}
-        self.max_finished_sequences = 4096
         self._make_specs()
         self._alloc()
 
@@ -166,16 +159,7 @@ class TokenEnv(EnvBase):
         self.full_done_spec = specs["done"]
 
     def _alloc(self) -> None:
-        B = self.batch_size[0]
-        self._tokens = torch.zeros(B, self.max_length, dtype=torch.int64)  # (B, L) the sequences, written once
-        self._flat = self._tokens.view(-1)  # the same buffer, indexed by row * L + position (one index, no pairs)
-        self._row_start = torch.arange(B) * self.max_length
-        # plain attributes of a plain object: nn.Module.__setattr__ costs microseconds per step
-        self._rt = _Runtime()
-        self._rt.state = {k: torch.zeros(B, dtype=torch.bool if k == keys.ACTIVE else torch.int64) for k in _STATE}
-        self._rt.done = torch.zeros(B, dtype=torch.bool)
-        self._prompts: list[Prompt | None] = [None] * B
-        self._arange = torch.arange(B)
+        self._slots = Slots(self.batch_size[0], self.max_length)
         self._eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)
         self._reset_td = None
         self._decoder: ResponseDecoder | None = None
@@ -216,7 +200,7 @@ class TokenEnv(EnvBase):
     @property
     def tokens(self) -> torch.Tensor:
         """The (B, max_length) token buffer: slot ``b`` holds ``seq_len[b]`` tokens. Read-only: do not write."""
-        return self._tokens
+        return self._slots.tokens
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -225,24 +209,25 @@ class TokenEnv(EnvBase):
 
     def history(self, slot: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Token ids ``[start, end)`` of ``slot``'s sequence (default: all of it so far); a read-only view."""
-        stop = int(self._rt.state[keys.SEQ_LEN][slot]) if end is None else end
-        return self._tokens[slot, start:stop]
+        stop = int(self._slots.state[keys.SEQ_LEN][slot]) if end is None else end
+        return self._slots.tokens[slot, start:stop]
 
     def slot_prompt(self, slot: int) -> Prompt | None:
         """The prompt the slot is working on (``None`` once the source is exhausted)."""
-        return self._prompts[slot]
+        return self._slots.prompts[slot]
 
     def response_ids(self, slot: int) -> torch.Tensor:
         """Token ids generated so far in ``slot``'s current turn (a view into :attr:`tokens`)."""
-        s = self._rt.state
-        return self._tokens[slot, int(s[keys.PROMPT_LEN][slot]) : int(s[keys.SEQ_LEN][slot])]
+        s = self._slots.state
+        return self._slots.tokens[slot, int(s[keys.PROMPT_LEN][slot]) : int(s[keys.SEQ_LEN][slot])]
 
     def pop_finished_sequences(self) -> dict[int, torch.Tensor]:
         """Full token ids (prompt, turns, feedback) of the episodes finished since the last call, by trajectory
         id (multi-turn envs; a single-turn sequence is its prompt plus its actions, so this is empty then)."""
-        if not self._finished:
+        slots = self._slots
+        if not slots.finished:
             return _NO_SEQUENCES
-        out, self._finished = self._finished, {}
+        out, slots.finished = slots.finished, {}
         return out
 
     @property
@@ -297,43 +282,17 @@ class TokenEnv(EnvBase):
     @property
     def is_exhausted(self) -> bool:
         """True once the prompt source is empty and no slot holds a live trajectory."""
-        return self.source.is_exhausted and not bool(self._rt.state[keys.ACTIVE].any())
+        return self.source.is_exhausted and not bool(self._slots.state[keys.ACTIVE].any())
 
     # -- checkpoints --
     def state_dict(self) -> dict:
         """Everything needed to resume: prompt cursor, slot contents, counters."""
-        return {
-            "source": self.source.state_dict(),
-            "tokens": self._tokens.clone(),
-            "state": {k: v.clone() for k, v in self._rt.state.items()},
-            "done": self._rt.done.clone(),
-            "is_reset": self._rt.is_reset,
-            "next_traj": self._rt.next_traj,
-            "prompts": [None if p is None else _prompt_state(p) for p in self._prompts],
-        }
+        return {"source": self.source.state_dict(), **self._slots.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from :meth:`state_dict` (of an env with the same batch size and max_length)."""
-        saved = tuple(state["tokens"].shape)
-        if saved != tuple(self._tokens.shape):
-            raise ValueError(
-                f"this checkpoint is of an env with (batch_size, max_length) {saved}, this env has "
-                f"{tuple(self._tokens.shape)}; resume with the same batch_size and max_length"
-            )
+        self._slots.load_state_dict(state)
         self.source.load_state_dict(state["source"])
-        self._tokens.copy_(state["tokens"])
-        for k, v in state["state"].items():
-            self._rt.state[k] = v.clone()
-        self._rt.deadline = None
-        self._rt.done = state["done"].clone()
-        self._rt.any_done = bool(self._rt.done.any())
-        self._rt.is_reset, self._rt.next_traj = state["is_reset"], state["next_traj"]
-        if len(state["prompts"]) != self.batch_size[0]:
-            raise ValueError(
-                f"this checkpoint holds {len(state['prompts'])} slots but the env has batch_size {self.batch_size[0]}; "
-                "resume with an env of the same batch_size"
-            )
-        self._prompts = [None if p is None else Prompt(**p) for p in state["prompts"]]
 
     # -- reset --
     def _next_prompt(self) -> Prompt | None:
@@ -371,31 +330,20 @@ class TokenEnv(EnvBase):
             for b, prompt in loaded:
                 try:
                     self._load_prompt(b, prompt)
-                    self._rt.done[b] = False
                 except PromptError as err:
                     failed.append((b, err))
             return failed
-        write_prompts(self._tokens, self._rt.state, loaded, self._rt.next_traj)
-        for b, prompt in loaded:
-            self._prompts[b] = prompt
-            self._rt.done[b] = False
-        self._rt.next_traj += len(loaded)
+        self._slots.load(loaded)
         return []
 
     def _load_prompt(self, b: int, prompt: Prompt | None) -> None:
         """Load one slot (``None``: the source is exhausted and the slot idles with an empty sequence)."""
-        s = self._rt.state
         if prompt is None:
-            self._prompts[b] = None
-            s[keys.RESPONSE_LEN][b] = s[keys.TURN][b] = 0
-            s[keys.ACTIVE][b] = False
-            s[keys.SEQ_LEN][b] = s[keys.PROMPT_LEN][b] = 0  # a stale seq_len may equal max_length
+            self._slots.idle(b, is_done=False)
             return
         self._check_prompt_length(prompt)
         self._check_prompt_ids(prompt)
-        write_prompts(self._tokens, s, [(b, prompt)], self._rt.next_traj)
-        self._prompts[b] = prompt
-        self._rt.next_traj += 1
+        self._slots.load([(b, prompt)])
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
         if tensordict is not None and keys.RESET in tensordict.keys():
@@ -407,34 +355,33 @@ class TokenEnv(EnvBase):
     def refill(self, slots: Iterable[int]) -> TensorDictBase:
         """Load the next prompts into ``slots`` (a partial reset) and return the observation of every slot."""
         slots = list(slots)
-        held = [p for b in slots if (p := self._prompts[b]) is not None]
+        held = [p for b in slots if (p := self._slots.prompts[b]) is not None]
         if held:
             self.turns.release(held)
         try:
             return self._refill(slots)
         finally:
-            self.turns.refilled([p for p in self._prompts if p is not None])
+            self.turns.refilled([p for p in self._slots.prompts if p is not None])
 
     def _refill(self, slots: list[int]) -> TensorDictBase:
-        self._copy_on_write()
+        self._slots.copy_on_write()
         failed: list[tuple[int, PromptError]] = []
         loaded: list[tuple[int, Prompt]] = []
         for b in slots:
             try:
                 prompt = self._next_prompt()
                 if prompt is None:
-                    self._load_prompt(b, None)
-                    self._rt.done[b] = False
+                    self._slots.idle(b, is_done=False)
                 else:
                     self._check_prompt_length(prompt)
                     loaded.append((b, prompt))
             except PromptError as err:  # the slot idles, done: the next refill gives it the next prompt
-                self._rt.done[b], self._rt.state[keys.ACTIVE][b], self._prompts[b] = True, False, None
+                self._slots.idle(b, is_done=True)
                 failed.append((b, err))
         for b, err in self._load_prompts(loaded):
-            self._rt.done[b], self._rt.state[keys.ACTIVE][b], self._prompts[b] = True, False, None
+            self._slots.idle(b, is_done=True)
             failed.append((b, err))
-        self._rt.is_reset = True
+        self._slots.is_reset = True
         obs = self._reset_observation()
         if failed:
             b, err = failed[0]
@@ -449,31 +396,19 @@ class TokenEnv(EnvBase):
         """Start the trajectories in ``slots`` over from their prompt, under a new trajectory id (their
         tokens so far are dropped: e.g. in-flight work after a weight update). Returns the observation."""
         slots = list(slots)
-        self.turns.restart([p for b in slots if (p := self._prompts[b]) is not None])
-        self._copy_on_write()
+        self.turns.restart([p for b in slots if (p := self._slots.prompts[b]) is not None])
+        self._slots.copy_on_write()
         for b in slots:
-            self._rt.done[b] = False
-            self._load_prompt(b, self._prompts[b])
+            self._slots.done[b] = False
+            self._load_prompt(b, self._slots.prompts[b])
         return self._reset_observation()
 
     def _reset_observation(self) -> TensorDictBase:
         """The observation after a (partial) reset: done only where a slot could not be loaded."""
-        self._rt.any_done = bool(self._rt.done.any())
+        slots = self._slots
+        slots.any_done = bool(slots.done.any())
         zeros = torch.zeros(self.batch_size[0], 1, dtype=torch.bool)
-        return self._observation(self._rt.done.unsqueeze(-1).clone(), zeros, zeros.clone())
-
-    def _copy_on_write(self) -> None:
-        # tensors handed out by earlier steps are never mutated; slots change: the step's deadlines are recomputed
-        self._rt.deadline = None
-        self._rt.state = {k: v.clone() for k, v in self._rt.state.items()}
-        self._rt.done = self._rt.done.clone()
-
-    def _observation(self, done, terminated, truncated, reward=None) -> TensorDictBase:
-        out = dict(self._rt.state)  # shared: the state is replaced, never written in place, after a step
-        out.update(done=done, terminated=terminated, truncated=truncated)
-        if reward is not None:
-            out["reward"] = reward
-        return TensorDict._new_unsafe(out, batch_size=self.batch_size)
+        return slots.observation(slots.done.unsqueeze(-1).clone(), zeros, zeros.clone())
 
     # -- step --
     def step_and_maybe_reset(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
@@ -484,13 +419,13 @@ class TokenEnv(EnvBase):
         """
         nxt = self._step(tensordict)
         tensordict.set(keys.NEXT, nxt)
-        if self._rt.any_done:
+        if self._slots.any_done:
             try:
-                return tensordict, self.refill(self._rt.done.nonzero().squeeze(-1).tolist())
+                return tensordict, self.refill(self._slots.done.nonzero().squeeze(-1).tolist())
             except PromptError as err:
                 err.step = tensordict  # the step itself succeeded: the caller records it
                 raise
-        return tensordict, self._observation(*self._rt.flags)  # the step's flags, as "next" holds them
+        return tensordict, self._slots.observation(*self._slots.flags)  # the step's flags, as "next" holds them
 
     def _check_action(self, action) -> torch.Tensor:
         if not isinstance(action, torch.Tensor):
@@ -510,9 +445,9 @@ class TokenEnv(EnvBase):
         B = self.batch_size[0]
         if not bool((ended | hit).any()):  # the common step: no turn ends, nothing to score
             flags = torch.zeros(3, B, 1, dtype=torch.bool).unbind(0)
-            self._commit(action, active, new_len, resp_len, flags[0].view(B), any_done=False)
-            self._rt.flags = flags
-            return self._observation(*flags, torch.zeros(B, 1))
+            self._slots.commit(action, active, new_len, resp_len, flags[0].view(B), any_done=False)
+            self._slots.flags = flags
+            return self._slots.observation(*flags, torch.zeros(B, 1))
         limited, cut = self._split_limits(hit, ended, new_len)
         try:
             end = self._end_turns(ended, limited, new_len, cut)
@@ -520,10 +455,10 @@ class TokenEnv(EnvBase):
             self._rollback(previous)
             raise
         done = end.terminated | end.truncated
-        self._commit(action, active, new_len, resp_len, done, any_done=bool(done.any()))
+        self._slots.commit(action, active, new_len, resp_len, done, any_done=bool(done.any()))
         self._continue_turns(end.appended, new_len)
-        self._rt.flags = (done.unsqueeze(-1), end.terminated.unsqueeze(-1), end.truncated.unsqueeze(-1))
-        return self._observation(*self._rt.flags, end.reward)
+        self._slots.flags = (done.unsqueeze(-1), end.terminated.unsqueeze(-1), end.truncated.unsqueeze(-1))
+        return self._slots.observation(*self._slots.flags, end.reward)
 
     def _advance(self, tensordict: TensorDictBase):
         """Validate the action, write it into the token buffer and find the slots whose turn ended.
@@ -531,18 +466,18 @@ class TokenEnv(EnvBase):
         Returns ``(action, active, previous, new_len, resp_len, ended, hit)``: ``ended`` marks an EOS / stop
         string, ``hit`` a limit reached (:meth:`_split_limits` tells which).
         """
-        if not self._rt.is_reset:
+        if not self._slots.is_reset:
             raise ResetNeeded("TokenEnv was stepped before reset(); call env.reset() first")
         action = self._check_action(tensordict.get(keys.ACTION))
-        s, rt = self._rt.state, self._rt
+        s, rt = self._slots.state, self._slots
         active = s[keys.ACTIVE]
         self._check_not_done(active)
         if rt.deadline is None:
-            self._set_deadlines()
+            rt.set_deadlines(self.max_new_tokens, self.max_length, self.max_turn_tokens)
         seq_len = s[keys.SEQ_LEN]
-        pos = self._row_start + seq_len
-        previous = self._flat[pos]  # kept for a rollback
-        self._flat.index_copy_(0, pos, action if rt.all_active else torch.where(active, action, previous))
+        pos = self._slots.row_start + seq_len
+        previous = self._slots.flat[pos]  # kept for a rollback
+        self._slots.flat.index_copy_(0, pos, action if rt.all_active else torch.where(active, action, previous))
         if rt.all_active:
             new_len, resp_len = seq_len + 1, s[keys.RESPONSE_LEN] + 1
             ended = is_any(action, self._eos)
@@ -550,42 +485,26 @@ class TokenEnv(EnvBase):
             new_len, resp_len = seq_len + active, s[keys.RESPONSE_LEN] + active
             ended = active & is_any(action, self._eos)
         if self._stop.is_enabled:
-            ended |= self._stop.hits(self._tokens, action, active & ~ended, s[keys.PROMPT_LEN], new_len)
+            ended |= self._stop.hits(self._slots.tokens, action, active & ~ended, s[keys.PROMPT_LEN], new_len)
         hit = active & (new_len >= rt.deadline)  # a budget, the context or the turn limit reached
         return action, active, previous, new_len, resp_len, ended, hit
-
-    def _set_deadlines(self) -> None:
-        """The length at which each slot reaches a limit (its budget, the context, its turn's limit): a step and a
-        wave add as many tokens to ``seq_len`` as to ``response_len``, so it moves only when slots change."""
-        s, rt = self._rt.state, self._rt
-        budget = torch.clamp(s[keys.SEQ_LEN] - s[keys.RESPONSE_LEN] + self.max_new_tokens, max=self.max_length)
-        rt.budget_deadline = budget
-        rt.deadline = budget if self.max_turn_tokens is None else torch.minimum(budget, s[keys.PROMPT_LEN] + self.max_turn_tokens)
-        rt.all_active = bool(s[keys.ACTIVE].all())
 
     def _split_limits(self, hit: torch.Tensor, ended: torch.Tensor, new_len: torch.Tensor):
         """``(limited, cut)`` of the slots that reached a limit: the trajectory's budget or the context
         (a truncation unless ``ended``), or only the turn's ``max_turn_tokens`` (where nothing else ended it)."""
         if self.max_turn_tokens is None:
             return hit, torch.zeros_like(hit)
-        limited = hit & (new_len >= self._rt.budget_deadline)
+        limited = hit & (new_len >= self._slots.budget_deadline)
         return limited, hit & ~limited & ~ended
 
     def _check_not_done(self, active: torch.Tensor) -> None:
-        if self._rt.any_done and bool((self._rt.done & active).any()):
-            slots = (self._rt.done & active).nonzero().squeeze(-1).tolist()
+        if self._slots.any_done and bool((self._slots.done & active).any()):
+            slots = (self._slots.done & active).nonzero().squeeze(-1).tolist()
             raise ResetNeeded(f"slots {slots} are done; reset them (td['_reset']) or use env.step_and_maybe_reset")
 
     def _rollback(self, previous: torch.Tensor) -> None:
         """Undo :meth:`_advance`'s write: a failed step leaves no trace."""
-        self._flat.index_copy_(0, self._row_start + self._rt.state[keys.SEQ_LEN], previous)
-
-    def _commit(self, action, active, new_len, resp_len, done, *, any_done: bool) -> None:
-        """Make the step the env's state (only after every user callback succeeded)."""
-        s = self._rt.state
-        s[keys.TOKEN] = action.clone() if self._rt.all_active else torch.where(active, action, s[keys.TOKEN])
-        s[keys.SEQ_LEN], s[keys.RESPONSE_LEN] = new_len, resp_len
-        self._rt.done, self._rt.any_done = done, any_done
+        self._slots.flat.index_copy_(0, self._slots.row_start + self._slots.state[keys.SEQ_LEN], previous)
 
     # -- turn ends: the turn handler answers, continuing slots get their feedback --
     def _end_turns(self, ended: torch.Tensor, limited: torch.Tensor, new_len: torch.Tensor, cut: torch.Tensor) -> TurnEnd:
@@ -607,14 +526,12 @@ class TokenEnv(EnvBase):
             terminated, truncated = terminated.clone(), truncated.clone()
             rows = list(appended)
             terminated[rows] = truncated[rows] = False
-            ends = new_len.tolist()
-            for b, ids in appended.items():
-                self._tokens[b, ends[b] : ends[b] + len(ids)] = ids
-        self._archive(terminated | truncated, new_len)
+            self._slots.write_feedback(appended, new_len)
+        self._slots.archive(terminated | truncated, new_len)
         return TurnEnd(terminated=terminated, truncated=truncated, reward=reward, appended=appended)
 
     def _finished_turns(self, slots: list[int], limited: torch.Tensor, new_len: torch.Tensor) -> FinishedTurns:
-        s = self._rt.state
+        s = self._slots.state
         starts, ends = s[keys.PROMPT_LEN].tolist(), new_len.tolist()  # two reads, not two per slot
         index = torch.tensor(slots)
         trajs = s[keys.TRAJ_ID][index].tolist()
@@ -623,8 +540,8 @@ class TokenEnv(EnvBase):
         else:
             turns, is_limited = s[keys.TURN][index].tolist(), limited[index].tolist()
             final = [lim or t + 1 >= self.max_turns for lim, t in zip(is_limited, turns, strict=True)]
-        return FinishedTurns(slots, turns, [self._prompts[b] for b in slots], [self._tokens[b, starts[b] : ends[b]] for b in slots],
-                             final, trajs, decode=self.decode_responses, history=lambda b: self._tokens[b, : ends[b]])  # fmt: skip
+        return FinishedTurns(slots, turns, [self._slots.prompts[b] for b in slots], [self._slots.tokens[b, starts[b] : ends[b]] for b in slots],
+                             final, trajs, decode=self.decode_responses, history=lambda b: self._slots.tokens[b, : ends[b]])  # fmt: skip
 
     def _feedback(self, turns: FinishedTurns, results: list, new_len: torch.Tensor) -> dict[int, torch.Tensor]:
         """The ids to append per continuing slot: feedback given, the episode not over, and it fits."""
@@ -650,34 +567,11 @@ class TokenEnv(EnvBase):
                                       f"{turns.slots[i]}, outside the vocabulary [0, {self.vocab_size})")  # fmt: skip
         return ids.clone()
 
-    def _archive(self, done: torch.Tensor, new_len: torch.Tensor) -> None:
-        slots = done.nonzero().squeeze(-1)
-        if not len(slots):
-            return
-        trajs, ends = self._rt.state[keys.TRAJ_ID][slots].tolist(), new_len[slots].tolist()
-        rows = self._tokens[slots, : max(ends)]  # one gather (a copy), then views of it
-        for i, (traj, end) in enumerate(zip(trajs, ends, strict=True)):
-            if len(self._finished) >= self.max_finished_sequences:
-                self._finished.pop(next(iter(self._finished)))
-            self._finished[traj] = rows[i, :end]
-
     def _continue_turns(self, appended: dict[int, torch.Tensor], new_len: torch.Tensor) -> None:
-        """Move continuing slots to their next turn: lengths past the feedback, the turn counter up."""
-        if not appended:
-            return
-        s = self._rt.state
-        self._rt.deadline = None  # seq_len jumps past the feedback, response_len does not
-        s[keys.SEQ_LEN], s[keys.TOKEN] = s[keys.SEQ_LEN].clone(), s[keys.TOKEN].clone()
-        s[keys.PROMPT_LEN], s[keys.TURN] = s[keys.PROMPT_LEN].clone(), s[keys.TURN].clone()
-        slots = torch.tensor(list(appended), dtype=torch.int64)
-        sizes = torch.tensor([len(ids) for ids in appended.values()], dtype=torch.int64)
-        end = new_len[slots] + sizes
-        s[keys.SEQ_LEN][slots] = end
-        s[keys.PROMPT_LEN][slots] = end
-        s[keys.TOKEN][slots] = torch.stack([ids[-1] for ids in appended.values()])
-        s[keys.TURN][slots] += 1
-        self.turn_metrics["feedback_tokens"] += int(sizes.sum())
-        self.turn_metrics["turns"] += len(appended)
+        """Move continuing slots to their next turn."""
+        if appended:
+            self.turn_metrics["feedback_tokens"] += self._slots.continue_turns(appended, new_len)
+            self.turn_metrics["turns"] += len(appended)
 
     def decode_responses(self, rows: list[torch.Tensor]) -> list[str]:
         """The text of response id rows, as ``tokenizer.batch_decode(rows, skip_special_tokens=True)`` gives it
@@ -692,14 +586,14 @@ class TokenEnv(EnvBase):
 
         Done slots must be refilled first (:meth:`refill`); an exhausted source gives an empty request.
         """
-        s = self._rt.state
+        s = self._slots.state
         self._check_not_done(s[keys.ACTIVE])
         slots = s[keys.ACTIVE].nonzero().squeeze(-1)
         seq_len, resp_len = s[keys.SEQ_LEN][slots], s[keys.RESPONSE_LEN][slots]
         budget = torch.minimum(self.max_new_tokens - resp_len, self.max_length - seq_len)
         if self.max_turn_tokens is not None:
             budget = torch.minimum(budget, self.max_turn_tokens - (seq_len - s[keys.PROMPT_LEN][slots]))
-        prompts = [self._tokens[b, : int(n)] for b, n in zip(slots.tolist(), seq_len.tolist(), strict=True)]
+        prompts = [self._slots.tokens[b, : int(n)] for b, n in zip(slots.tolist(), seq_len.tolist(), strict=True)]
         return WaveRequest(slots=slots, prompts=prompts, max_new_tokens=budget,
                            eos_token_ids=tuple(sorted(self.eos_token_ids)), stop_strings=self.stop_strings)  # fmt: skip
 
@@ -715,20 +609,20 @@ class TokenEnv(EnvBase):
         ``policy_version`` and ``("next", ...)`` of every step, zero past each row's end; ``width`` pads it
         to at least that many steps (e.g. a recorder's fixed batch width).
         """
-        if not self._rt.is_reset:
+        if not self._slots.is_reset:
             raise ResetNeeded("TokenEnv.unroll before reset(); call env.reset() first")
         wave = WaveSteps.from_result(request, result, self.batch_size[0])
-        steps = unroll_wave(wave, self._rt.state, self._tokens, self._unroll_rules())
+        steps = unroll_wave(wave, self._slots.state, self._slots.tokens, self._unroll_rules())
         try:
             end = self._end_turns(steps.ended, steps.limited, steps.new_len, steps.cut)
         except RewardFunctionError:
-            steps.rollback(self._tokens)
+            steps.rollback(self._slots.tokens)
             raise
         done = end.terminated | end.truncated
-        self._copy_on_write()
-        self._commit(steps.last_action, steps.in_wave, steps.new_len, steps.resp_len, done, any_done=bool(done.any()))
+        self._slots.copy_on_write()
+        self._slots.commit(steps.last_action, steps.in_wave, steps.new_len, steps.resp_len, done, any_done=bool(done.any()))
         self._continue_turns(end.appended, steps.new_len)
-        return steps.to_tensordict(end, self._rt.state, width)
+        return steps.to_tensordict(end, self._slots.state, width)
 
     def close(self, *, raise_if_closed: bool = True) -> None:
         """Close the env and its turn handler (external episodes ended, sessions closed)."""
@@ -748,25 +642,3 @@ def _show_signature(cls) -> None:
 
 
 _show_signature(TokenEnv)
-
-
-def _prompt_state(prompt: Prompt) -> dict:
-    """A prompt as plain data (a checkpoint loads with ``torch.load(weights_only=True)``)."""
-    return {f.name: getattr(prompt, f.name) for f in dataclasses.fields(prompt)}
-
-
-class _Runtime:
-    """Mutable per-step state of a TokenEnv (kept off the nn.Module)."""
-
-    def __init__(self) -> None:
-        self.state: dict[str, torch.Tensor] = {}
-        self.done = torch.zeros(0, dtype=torch.bool)
-        self.is_reset = False
-        self.any_done = False  # True while a slot is done and not refilled: kept with ``done``
-        self.flags: tuple = ()  # (done, terminated, truncated) (B, 1) of the last step, as its "next" holds them
-        self.next_traj = 0
-        # the lengths at which slots reach a limit (None: recompute, slots changed), that of the budget and
-        # context alone, and whether every slot is live (then a step needs no masking)
-        self.deadline: torch.Tensor | None = None
-        self.budget_deadline: torch.Tensor | None = None
-        self.all_active = False

@@ -141,7 +141,7 @@ def test_reused_traj_id_is_named(tokenizer):
     def load(self, loaded):
         out = TokenEnv._load_prompts(self, loaded)
         for b, _ in loaded:
-            self._rt.state[keys.TRAJ_ID][b] = 0  # every trajectory gets id 0
+            self._slots.state[keys.TRAJ_ID][b] = 0  # every trajectory gets id 0
         return out
 
     env.__class__ = type("SameTrajIdEnv", (TokenEnv,), {"_load_prompts": load})
@@ -157,7 +157,7 @@ def test_stale_response_len_after_reset_is_named(tokenizer):
     def load(self, loaded):
         out = TokenEnv._load_prompts(self, loaded)
         for b, _ in loaded:
-            self._rt.state[keys.RESPONSE_LEN][b] = 2
+            self._slots.state[keys.RESPONSE_LEN][b] = 2
         return out
 
     env.__class__ = type("StaleEnv", (TokenEnv,), {"_load_prompts": load})
