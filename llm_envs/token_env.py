@@ -14,12 +14,13 @@ from tokengym.llm_envs._decode import ResponseDecoder
 from tokengym.llm_envs._env_checks import check_int, check_tokenizer, context_limit, eos_ids
 from tokengym.llm_envs._slots import Slots
 from tokengym.llm_envs._stop import StopChecker
+from tokengym.llm_envs._turn_ends import TurnEnds
 from tokengym.llm_envs.errors import PromptError, ResetNeeded, RewardFunctionError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
-from tokengym.llm_envs.turns.protocol import FinishedTurns, TurnHandler, check_turns
+from tokengym.llm_envs.turns.protocol import TurnHandler
 from tokengym.llm_envs.turns.render import ChatRenderer
 from tokengym.llm_envs.turns.scoring import RewardTurns
-from tokengym.llm_envs.unroll import TurnEnd, WaveSteps, is_any, unroll_wave
+from tokengym.llm_envs.unroll import WaveSteps, is_any, unroll_wave
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["TokenEnv", "RewardFn"]
@@ -146,7 +147,6 @@ class TokenEnv(EnvBase):
         if eos_token_ids is None and end_of_turn is not None:
             self.eos_token_ids = self.eos_token_ids | {end_of_turn}  # the template's end of turn ends a turn
         self._stop = StopChecker(tokenizer, stop_strings, self.vocab_size)
-        self.turn_metrics = {"turns": 0, "feedback_tokens": 0}
         self._make_specs()
         self._alloc()
 
@@ -160,6 +160,8 @@ class TokenEnv(EnvBase):
 
     def _alloc(self) -> None:
         self._slots = Slots(self.batch_size[0], self.max_length)
+        self._turn_ends = TurnEnds(self._slots, self._renderer, max_turns=self.max_turns, max_length=self.max_length,
+                                   vocab_size=self.vocab_size, decode=self.decode_responses)  # fmt: skip
         self._eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)
         self._reset_td = None
         self._decoder: ResponseDecoder | None = None
@@ -195,6 +197,11 @@ class TokenEnv(EnvBase):
         if not isinstance(self.turns, RewardTurns):
             raise ValueError(f"this env's turns are answered by {type(self.turns).__name__}, not a reward_fn")
         self.turns = RewardTurns(fn)
+
+    @property
+    def turn_metrics(self) -> dict[str, int]:
+        """Turns that went on to a next turn (``turns``) and the feedback tokens written (``feedback_tokens``)."""
+        return self._turn_ends.metrics
 
     # -- public read-only views --
     @property
@@ -450,13 +457,13 @@ class TokenEnv(EnvBase):
             return self._slots.observation(*flags, torch.zeros(B, 1))
         limited, cut = self._split_limits(hit, ended, new_len)
         try:
-            end = self._end_turns(ended, limited, new_len, cut)
+            end = self._turn_ends.answer(self.turns, ended, limited, new_len, cut)
         except RewardFunctionError:
             self._rollback(previous)
             raise
         done = end.terminated | end.truncated
         self._slots.commit(action, active, new_len, resp_len, done, any_done=bool(done.any()))
-        self._continue_turns(end.appended, new_len)
+        self._turn_ends.continue_turns(end.appended, new_len)
         self._slots.flags = (done.unsqueeze(-1), end.terminated.unsqueeze(-1), end.truncated.unsqueeze(-1))
         return self._slots.observation(*self._slots.flags, end.reward)
 
@@ -506,73 +513,6 @@ class TokenEnv(EnvBase):
         """Undo :meth:`_advance`'s write: a failed step leaves no trace."""
         self._slots.flat.index_copy_(0, self._slots.row_start + self._slots.state[keys.SEQ_LEN], previous)
 
-    # -- turn ends: the turn handler answers, continuing slots get their feedback --
-    def _end_turns(self, ended: torch.Tensor, limited: torch.Tensor, new_len: torch.Tensor, cut: torch.Tensor) -> TurnEnd:
-        """Ask the turn handler about every ended turn; write the feedback of continuing slots after the model's
-        tokens. A turn cut by ``max_turn_tokens`` is answered as any finished turn; an episode ending with it is
-        truncated. Raises RewardFunctionError (nothing written then)."""
-        reward = torch.zeros(self.batch_size[0], 1)
-        terminated, truncated = ended, (limited | cut) & ~ended
-        finished = (ended | limited | cut).nonzero().squeeze(-1).tolist()
-        if not finished:
-            return TurnEnd(terminated=terminated, truncated=truncated, reward=reward)
-        turns = self._finished_turns(finished, limited, new_len)
-        rewards, results = check_turns(self.turns.end_turns(turns), turns, who=self.turns.name)
-        reward[finished, 0] = rewards
-        if self._renderer is None:
-            return TurnEnd(terminated=terminated, truncated=truncated, reward=reward)
-        appended = self._feedback(turns, results, new_len)
-        if appended:  # continuing slots: not done, their feedback written after the model's tokens
-            terminated, truncated = terminated.clone(), truncated.clone()
-            rows = list(appended)
-            terminated[rows] = truncated[rows] = False
-            self._slots.write_feedback(appended, new_len)
-        self._slots.archive(terminated | truncated, new_len)
-        return TurnEnd(terminated=terminated, truncated=truncated, reward=reward, appended=appended)
-
-    def _finished_turns(self, slots: list[int], limited: torch.Tensor, new_len: torch.Tensor) -> FinishedTurns:
-        s = self._slots.state
-        starts, ends = s[keys.PROMPT_LEN].tolist(), new_len.tolist()  # two reads, not two per slot
-        index = torch.tensor(slots)
-        trajs = s[keys.TRAJ_ID][index].tolist()
-        if self._renderer is None:
-            turns, final = [0] * len(slots), [True] * len(slots)
-        else:
-            turns, is_limited = s[keys.TURN][index].tolist(), limited[index].tolist()
-            final = [lim or t + 1 >= self.max_turns for lim, t in zip(is_limited, turns, strict=True)]
-        return FinishedTurns(slots, turns, [self._slots.prompts[b] for b in slots], [self._slots.tokens[b, starts[b] : ends[b]] for b in slots],
-                             final, trajs, decode=self.decode_responses, history=lambda b: self._slots.tokens[b, : ends[b]])  # fmt: skip
-
-    def _feedback(self, turns: FinishedTurns, results: list, new_len: torch.Tensor) -> dict[int, torch.Tensor]:
-        """The ids to append per continuing slot: feedback given, the episode not over, and it fits."""
-        appended, ends = {}, new_len.tolist()
-        for i, (b, result) in enumerate(zip(turns.slots, results, strict=True)):
-            if result.is_done or turns.is_final[i]:
-                continue
-            if isinstance(result.feedback, torch.Tensor):
-                ids = self._checked_feedback_ids(result.feedback, turns, i)
-            else:
-                ids = self._renderer.feedback_ids(turns.response_ids[i], result.messages())
-            if ends[b] + len(ids) + 1 <= self.max_length:  # else the feedback does not fit: the episode ends here
-                appended[b] = ids
-        return appended
-
-    def _checked_feedback_ids(self, ids: torch.Tensor, turns: FinishedTurns, i: int) -> torch.Tensor:
-        if ids.dtype != torch.int64 or ids.dim() != 1 or not len(ids):
-            raise RewardFunctionError(f"{self.turns.name} gave feedback ids of dtype {ids.dtype} and shape "
-                                      f"{tuple(ids.shape)} for slot {turns.slots[i]}; give a non-empty int64 (n,) tensor")  # fmt: skip
-        lo, hi = (int(x) for x in torch.aminmax(ids))
-        if lo < 0 or hi >= self.vocab_size:
-            raise RewardFunctionError(f"{self.turns.name} gave feedback id {lo if lo < 0 else hi} for slot "
-                                      f"{turns.slots[i]}, outside the vocabulary [0, {self.vocab_size})")  # fmt: skip
-        return ids.clone()
-
-    def _continue_turns(self, appended: dict[int, torch.Tensor], new_len: torch.Tensor) -> None:
-        """Move continuing slots to their next turn."""
-        if appended:
-            self.turn_metrics["feedback_tokens"] += self._slots.continue_turns(appended, new_len)
-            self.turn_metrics["turns"] += len(appended)
-
     def decode_responses(self, rows: list[torch.Tensor]) -> list[str]:
         """The text of response id rows, as ``tokenizer.batch_decode(rows, skip_special_tokens=True)`` gives it
         (vectorized for byte-level BPE tokenizers)."""
@@ -614,14 +554,14 @@ class TokenEnv(EnvBase):
         wave = WaveSteps.from_result(request, result, self.batch_size[0])
         steps = unroll_wave(wave, self._slots.state, self._slots.tokens, self._unroll_rules())
         try:
-            end = self._end_turns(steps.ended, steps.limited, steps.new_len, steps.cut)
+            end = self._turn_ends.answer(self.turns, steps.ended, steps.limited, steps.new_len, steps.cut)
         except RewardFunctionError:
             steps.rollback(self._slots.tokens)
             raise
         done = end.terminated | end.truncated
         self._slots.copy_on_write()
         self._slots.commit(steps.last_action, steps.in_wave, steps.new_len, steps.resp_len, done, any_done=bool(done.any()))
-        self._continue_turns(end.appended, steps.new_len)
+        self._turn_ends.continue_turns(end.appended, steps.new_len)
         return steps.to_tensordict(end, self._slots.state, width)
 
     def close(self, *, raise_if_closed: bool = True) -> None:
