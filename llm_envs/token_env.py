@@ -184,7 +184,7 @@ class TokenEnv(EnvBase):
             "prompts": f"{type(source).__name__}({n} items)", "vocab_size": self.vocab_size,
             "eos_token_ids": sorted(self.eos_token_ids), "stop_strings": list(self.stop_strings),
             "overlong_prompts": getattr(getattr(source, "overlong", None), "value", None),
-            "turns": f"{type(self.turns).__name__}({self.turns.describe()})", "max_turns": self.max_turns,
+            "turns": _describe(self.turns), "max_turns": self.max_turns,
         }  # fmt: skip
 
     @property
@@ -572,6 +572,11 @@ class TokenEnv(EnvBase):
     def _unroll_rules(self):
         return dict(eos=self._eos, stop=self._stop, max_new_tokens=self.max_new_tokens, max_length=self.max_length,
                     max_turn_tokens=self.max_turn_tokens)
+
+
+def _describe(handler: TurnHandler) -> str:
+    name, what = type(handler).__name__, handler.describe()
+    return f"{name}()" if what == name else f"{name}({what})"
 
 
 def _show_signature(cls) -> None:

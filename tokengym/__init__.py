@@ -12,7 +12,6 @@ from tokengym.collectors import (
     RayTokenCollector,
     SamplingConfig,
     SequenceActor,
-    StepwiseReference,
     TokenCollector,
     TokenPolicy,
     TransformersPolicy,
@@ -21,6 +20,7 @@ from tokengym.collectors import (
 )
 from tokengym.llm_envs import MathAnswerReward, MultiTurnTokenEnv, PromptSource, TokenEnv, check_env, keys
 from tokengym.llm_envs.turns import Turn
+from tokengym.training import train
 from tokengym.transforms import (
     AdaptiveKLController,
     GAEAdvantage,
@@ -45,7 +45,6 @@ __all__ = [
     "RayTokenCollector",
     "SamplingConfig",
     "SequenceActor",
-    "StepwiseReference",
     "TokenCollector",
     "TokenEnv",
     "TokenPolicy",
@@ -56,4 +55,5 @@ __all__ = [
     "check_env",
     "keys",
     "to_padded",
+    "train",
 ]

@@ -37,6 +37,11 @@ def test_readme_overlong_prompts_example_prints_what_the_readme_says(capsys):
     assert printed == [said]
 
 
+def test_readme_turn_handler_runs(capsys):
+    printed = _run("### A new kind of turn", capsys)
+    assert printed[0].startswith("TokenEnv(batch_size=2,") and "turns=GuessSeven(), max_turns=3)" in printed[0]
+
+
 @pytest.mark.parametrize("title", ["### TRL reward functions", "### KL in the loss"])
 def test_readme_sections_run(title, capsys):
     _run(title, capsys)
