@@ -130,8 +130,10 @@ def _ceiling_table(write) -> None:
     _header(write, "Collector ceiling (benchmarks/test_collector_ceiling.py)")
     write("Instant policies (random tokens of random lengths, no model), reward fn ignoring its input (the response "
           "text is still decoded); real tokens per second of wall clock and of this process's CPU time (other jobs on "
-          "a loaded machine preempt the first, not the second), median of 3 interleaved rounds; floor: the same waves "
-          "as (N, T) action / log-prob / mask / done tensors by a few torch ops, in the same rounds.")  # fmt: skip
+          "a loaded machine preempt the first, not the second), median of 3 interleaved rounds; floor: for waves, the "
+          "same waves as (N, T) action / log-prob / mask / done tensors by a few torch ops; for steps, per env step "
+          "B sampled tokens written into preallocated (B, T) storage, ended slots marked and their counters reset; "
+          "in the same rounds. collector ÷ floor is a ratio of tokens/s (1 = the floor's speed).")  # fmt: skip
     write("| case | tokens/s (wall) | tokens/CPU-s | µs/token (CPU) | µs/env step (CPU) | decoding share | "
           "floor tokens/CPU-s | collector ÷ floor (wall) |")  # fmt: skip
     write("|---|---|---|---|---|---|---|---|")

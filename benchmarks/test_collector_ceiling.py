@@ -26,6 +26,7 @@ from tokengym.llm_envs.waves import WaveResult
 from tokengym.testing import tiny_tokenizer
 
 _PROMPTS = [f"{a}+{b}=" for a in range(40) for b in range(40)]
+_DATASET = [f"{a}+{b}*{c}=" for a in range(25) for b in range(20) for c in range(20)]  # 10,000 distinct prompts
 
 
 class InstantPolicy:
@@ -81,11 +82,13 @@ class Case:
     mode: str  # "trajectories" | "steps"
     turns: int = 1
     batches: int = 3
+    dataset: bool = False  # 10,000 distinct prompts, each drawn once (group_size 1) instead of 1,600 x 8
 
     @property
     def name(self) -> str:
         turns = "single" if self.turns == 1 else f"{self.turns}-turn"
-        return f"{self.source}-B{self.B}-T{self.max_new_tokens}-{self.mode}-{turns}"
+        data = "-10k-prompts" if self.dataset else ""
+        return f"{self.source}-B{self.B}-T{self.max_new_tokens}-{self.mode}-{turns}{data}"
 
 
 CASES = [
@@ -96,12 +99,13 @@ CASES = [
     Case("step", 64, 256, "trajectories", batches=2),
     Case("step", 256, 256, "trajectories", batches=1),
     Case("step", 64, 256, "steps", batches=4),
+    Case("step", 64, 256, "trajectories", batches=2, dataset=True),
 ]
 
 
 def _collector(case: Case) -> TokenCollector:
     tok = tiny_tokenizer()
-    source = PromptSource(_PROMPTS, tok, group_size=8)
+    source = PromptSource(_DATASET, tok) if case.dataset else PromptSource(_PROMPTS, tok, group_size=8)
     kwargs = dict(batch_size=case.B, max_new_tokens=case.max_new_tokens, max_length=case.turns * (case.max_new_tokens + 16) + 16)
     if case.turns == 1:
         env = TokenEnv(source, tok, _zero_reward, **kwargs)
@@ -132,6 +136,32 @@ def _floor(case: Case, state: dict):
         done = t == (result.lengths - 1)[:, None]
         _ = (result.actions * mask, result.log_probs * mask, mask, done)
         return int(result.lengths.sum())
+
+    return _cpu_timed(run, state, "cpu:floor")
+
+
+def _step_floor(case: Case, state: dict):
+    """The minimal tensor work of the same env steps: per step, sample B tokens as the instant policy does, write
+    them into preallocated (B, T) storage at each slot's position, mark the ended slots and reset their counters."""
+    tok = tiny_tokenizer()
+    first = max(tok.all_special_ids) + 1
+    policy = InstantPolicy(len(tok), first, p_end=1.0 / (case.max_new_tokens / 2), seed=0)
+    B, T, eos = case.B, case.max_new_tokens, tok.eos_token_id
+    storage = torch.zeros(B, T, dtype=torch.int64)
+    pos, rows = torch.zeros(B, dtype=torch.int64), torch.arange(B)
+    steps = 200
+
+    def run() -> int:
+        nonlocal pos
+        tokens = 0
+        for _ in range(steps):
+            action = torch.randint(first, policy.vocab, (B,), generator=policy.gen)
+            action = torch.where(torch.rand(B, generator=policy.gen) < policy.p_end, eos, action)
+            storage[rows, pos] = action
+            ended = (action == eos) | (pos + 1 >= T)
+            pos = torch.where(ended, 0, pos + 1)
+            tokens += B
+        return tokens
 
     return _cpu_timed(run, state, "cpu:floor")
 
@@ -182,8 +212,7 @@ def test_collector_ceiling(benchmark, case, interleaved, ceiling_table):
     collector = _collector(case)
     state: dict = {}
     runs = {"collector": _run(collector, case.batches, state)}
-    if case.source == "wave":
-        runs["floor"] = _floor(case, state)
+    runs["floor"] = _floor(case, state) if case.source == "wave" else _step_floor(case, state)
     rates = interleaved(runs, 3, benchmark)
     med = {n: statistics.median(v) for n, v in rates.items()}
     per_token = 1e6 / med["collector"]
