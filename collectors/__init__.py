@@ -1,6 +1,7 @@
 """Collectors (``tokengym.collectors``): how batches are made; ``policies/`` holds how tokens are generated."""
 
 from tokengym.collectors.async_collector import AsyncCollector
+from tokengym.collectors.core import CollectMode, CollectorOptions, InFlight
 from tokengym.collectors.policies import (
     LocalVLLMServer,
     MaskedCategorical,
@@ -24,7 +25,7 @@ from tokengym.collectors.policies import (
 from tokengym.collectors.ray_collector import RayConfig, RayTokenCollector
 from tokengym.collectors.recorders import StepRecorder, TrajectoryRecorder
 from tokengym.collectors.sources import SourceKind, StepSource, WaveSource
-from tokengym.collectors.token_collector import CollectMode, CollectorOptions, InFlight, TokenCollector
+from tokengym.collectors.token_collector import TokenCollector
 
 __all__ = [
     "AsyncCollector",

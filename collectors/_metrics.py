@@ -9,7 +9,7 @@ from tensordict import TensorDictBase
 
 from tokengym.llm_envs import keys
 
-__all__ = ["batch_metrics", "collector_metrics"]
+__all__ = ["batch_metrics", "collector_metrics", "sum_counts"]
 
 _NAN = float("nan")
 
@@ -65,6 +65,20 @@ def collector_metrics(batch: TensorDictBase | None, elapsed: float, version: int
     extra = getattr(postproc, "metrics", None)
     if callable(extra):
         out.update(extra())
+    return out
+
+
+def sum_counts(parts) -> dict[str, int | float]:
+    """Counters of several collectors (Ray workers) added up, key by key.
+
+    Example:
+        >>> sum_counts([{"failed_prompts": 1, "reward_errors": 0}, {"failed_prompts": 2, "reward_errors": 1}])
+        {'failed_prompts': 3, 'reward_errors': 1}
+    """
+    out: dict[str, int | float] = {}
+    for part in parts:
+        for name, value in part.items():
+            out[name] = out.get(name, 0) + value
     return out
 
 

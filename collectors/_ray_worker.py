@@ -7,6 +7,7 @@ single-thread ``collect`` concurrency group.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import warnings
@@ -16,7 +17,9 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from tokengym.collectors.token_collector import CollectMode, TokenCollector
+from tokengym.collectors.core import CollectSpec
+from tokengym.collectors.policies.protocol import weights_of
+from tokengym.collectors.token_collector import TokenCollector
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.errors import PromptError
 
@@ -34,16 +37,10 @@ def worker_seeds(seed: int, num_workers: int) -> list[int]:
 
 
 def pack_weights(weights) -> dict[str, tuple[np.ndarray, str, tuple[int, ...]]]:
-    """A state_dict (or TensorDict of weights) as uint8 NumPy views: Ray moves them without pickling,
-    and a worker reads them straight from the object store (zero-copy, read-only)."""
-    if isinstance(weights, TensorDictBase):
-        weights = dict(weights.flatten_keys(".").items())
-    if not isinstance(weights, Mapping):
-        raise TypeError(f"weights must be a state_dict (a mapping of tensors) or a TensorDict, got {type(weights).__name__}")
+    """Weights (anything :func:`~tokengym.collectors.policies.protocol.weights_of` takes) as uint8 NumPy views:
+    Ray moves them without pickling, and a worker reads them straight from the object store (zero-copy, read-only)."""
     out = {}
-    for name, value in weights.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"weights[{name!r}] is a {type(value).__name__}; every weight must be a tensor")
+    for name, value in weights_of(weights).items():
         t = value.detach().cpu().contiguous()
         out[name] = (t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape))
     return out
@@ -116,13 +113,17 @@ def unpack_state(state):
     return state.unpack() if isinstance(state, PackedState) else state
 
 
+@dataclasses.dataclass(frozen=True)
 class WorkerSpec:
     """What every worker is built from (picklable: it crosses to the worker processes)."""
 
-    def __init__(self, env_fn: Callable, policy_fn: Callable, collector_kwargs: dict, num_workers: int,
-                 num_threads: int) -> None:  # fmt: skip
-        self.env_fn, self.policy_fn, self.collector_kwargs = env_fn, policy_fn, collector_kwargs
-        self.num_workers, self.num_threads = num_workers, num_threads
+    env_fn: Callable
+    policy_fn: Callable
+    collect: CollectSpec
+    """The driver's spec with each worker's frames (:meth:`CollectSpec.per_worker`)."""
+    source: object
+    num_workers: int
+    num_threads: int
 
 
 class CollectorWorker:
@@ -141,15 +142,18 @@ class CollectorWorker:
         base = getattr(env, "base_env", env)
         base.source.shard(index, spec.num_workers)
         self.collector, self.error = None, None
+        group_size = int(getattr(base.source, "group_size", 1))
         try:
-            kwargs = _worker_kwargs(spec.collector_kwargs, base, index, spec.num_workers)
+            collect = spec.collect.for_env(slots=base.batch_size[0], group_size=group_size)
+            collect = collect.worker_share(index, spec.num_workers, group_size=group_size)
         except ValueError as err:  # reported by info(): the driver raises it as it is
             self.error = err
             return
         policy = spec.policy_fn(env)
         if hasattr(policy, "set_seed"):
             policy.set_seed(seed)
-        self.collector = TokenCollector(env, policy, **kwargs)
+        self.collector = TokenCollector(env, policy, mode=collect.mode, batch_size=collect.batch_size,
+                                        total_steps=collect.total_steps, source=spec.source, options=collect.options)  # fmt: skip
         self.iterator = None
         self.lock = threading.Lock()  # an update is queued or applied, never half-way into a batch start
         if env_seed is not None:
@@ -168,33 +172,36 @@ class CollectorWorker:
             self.collector.update_policy_weights_(None)
 
     def next_batch(self):
-        """``((batch, metrics), state after it)``; ``(None, state)`` once this worker's budget or shard ends.
+        """``((batch, report), state after it)``, the batch ``None`` once this worker's budget or shard ends.
 
-        A failing batch (a reward function raising, say) rolls the worker back to the state after its
-        last batch and raises with the worker's index in the message. A :class:`PromptError` does not: the
-        collector has recorded what it collected and moved past the prompt (a rollback would draw it
-        again, and fail again), so the next call goes on from there.
+        The :meth:`report` (steps, counters) comes with every batch. A failing batch (a reward function raising,
+        say) rolls the worker back to the state after its last batch and raises with the worker's index in the
+        message. A :class:`PromptError` does not: the collector has recorded what it collected and moved past the
+        prompt (a rollback would draw it again, and fail again), so the next call goes on from there.
         """
-        # OpenMP's thread count is per thread: without this, torch in this (non-main) thread runs
-        # one OpenMP thread per core, many times slower when the cores are busy
-        torch.set_num_threads(self.num_threads)
         try:
             with self.lock:
                 if self.iterator is None:
                     self.iterator = iter(self.collector)
             batch = next(self.iterator, None)
         except PromptError as err:
-            raise _with_worker(err, self.index, self.num_workers) from err
+            _with_worker(err, self.index, self.num_workers)
+            raise
         except Exception as err:
             self.iterator = None
             version = self.collector.policy.version
             self.collector.load_state_dict(self.last_state)
             self._catch_up(version)
-            raise _with_worker(err, self.index, self.num_workers) from err
+            _with_worker(err, self.index, self.num_workers)
+            raise
         if batch is None:
-            return None, PackedState(self.last_state)
+            return (None, self.report()), PackedState(self.last_state)
         self.last_state = self.collector.state_dict()
-        return (self._globalize(batch).consolidate(), dict(self.collector.metrics)), PackedState(self.last_state)
+        return (self._globalize(batch).consolidate(), self.report()), PackedState(self.last_state)
+
+    def report(self) -> dict:
+        """The collector's env steps and counters, which the driver adds up over the workers."""
+        return {"steps": self.collector.steps_done, "counts": self.collector.counts()}
 
     def _globalize(self, batch: TensorDictBase) -> TensorDictBase:
         n, i = self.num_workers, self.index
@@ -233,37 +240,17 @@ class CollectorWorker:
     def info(self) -> dict:
         if self.error is not None:
             return {"pid": os.getpid(), "error": self.error, "index": self.index}
-        return {"pid": os.getpid(), "version": int(self.collector.policy.version), "index": self.index}
+        return {"pid": os.getpid(), "version": int(self.collector.policy.version), "index": self.index,
+                "report": self.report()}  # fmt: skip
 
     def shutdown(self) -> None:
         if self.collector is not None:
             self.collector.shutdown()
 
 
-def _worker_kwargs(kwargs: dict, env, index: int, num_workers: int) -> dict:
-    """The worker's TokenCollector arguments: a ``TRAJECTORIES`` batch's groups are split over the workers
-    (worker ``i`` collects ``groups // n`` groups, one more for the first ``groups % n``)."""
-    mode = str(getattr(kwargs.get("mode"), "value", kwargs.get("mode")))
-    if mode != CollectMode.TRAJECTORIES.value or kwargs.get("batch_size") is None:
-        return kwargs
-    options, batch_size = kwargs.get("options"), kwargs["batch_size"]
-    group = int(getattr(env.source, "group_size", 1)) if getattr(options, "is_whole_groups", True) else 1
-    if batch_size % group:
-        raise ValueError(f"batch_size={batch_size} trajectories is not a multiple of the env's group_size={group}: "
-                         f"a TRAJECTORIES batch holds whole groups; pass batch_size={max(1, batch_size // group) * group}, "
-                         "or options=CollectorOptions(is_whole_groups=False)")  # fmt: skip
-    groups = batch_size // group
-    if groups < num_workers:
-        raise ValueError(f"batch_size={batch_size} holds {groups} group(s) of {group}, fewer than the {num_workers} "
-                         f"workers: give at least one group per worker (batch_size >= {num_workers * group})")  # fmt: skip
-    return {**kwargs, "batch_size": (groups // num_workers + (index < groups % num_workers)) * group}
-
-
-def _with_worker(err: Exception, index: int, num_workers: int) -> Exception:
-    """The same exception type, its message prefixed with the worker (ids in it are the worker's own)."""
+def _with_worker(err: Exception, index: int, num_workers: int) -> None:
+    """Prefix the exception's message with the worker (ids in it are the worker's own); its type and attributes
+    (a ``PromptError``'s ``slots``) are kept: it is the same exception."""
     note = (f"RayTokenCollector worker {index}: {err} (trajectory ids in this message are the worker's; "
             f"in its batches they become id * {num_workers} + {index})")  # fmt: skip
-    try:
-        return type(err)(note)
-    except Exception:  # an exception type whose constructor wants more than a message
-        return RuntimeError(f"{type(err).__name__}: {note}")
+    err.args = (note, *err.args[1:])

@@ -9,14 +9,14 @@ import time
 import torch
 from tensordict import TensorDictBase
 
+from tokengym.collectors.core import CollectMode, CollectorBase
 from tokengym.collectors.policies.protocol import weights_of
-from tokengym.collectors.token_collector import BatchIterator, CollectMode
 from tokengym.llm_envs import keys
 
 __all__ = ["AsyncCollector"]
 
 
-class AsyncCollector:
+class AsyncCollector(CollectorBase):
     """Runs ``collector`` in a background thread so that generation overlaps training.
 
     The trainer loop is unchanged: take a batch, train, publish the new weights with
@@ -44,7 +44,9 @@ class AsyncCollector:
     ``trainer_wait_s`` (the trainer waiting for the batch) to the collector's metrics.
 
     A batch that raises in the collector (a ``PromptError``, a reward function) raises from the trainer's
-    ``next()`` in its place; collection goes on and the next ``next()`` gives the next batch.
+    ``next()`` in its place; collection goes on and the next ``next()`` gives the next batch. The wrapped
+    collector postprocesses, measures and delivers its own batches; this one reads only its public surface
+    (:class:`~tokengym.collectors.core.CollectorBase`).
 
     Args:
         collector: a :class:`TokenCollector` (its policy must hold its own copy of the model: training
@@ -68,21 +70,28 @@ class AsyncCollector:
         True
     """
 
-    def __init__(self, collector, *, max_staleness: int = 1) -> None:
+    needs_weights_because = "the collector's policy holds its own copy of the model"
+
+    def __init__(self, collector: CollectorBase, *, max_staleness: int = 1) -> None:
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"max_staleness must be an int >= 0 (0: synchronous), got {max_staleness!r}")
-        if not callable(getattr(collector, "update_policy_weights_", None)) or not hasattr(collector, "__iter__"):
+        if not isinstance(collector, CollectorBase) or isinstance(collector, AsyncCollector):
             raise TypeError(f"collector must be a TokenCollector or a RayTokenCollector, got {type(collector).__name__}")
+        super().__init__(collector.spec)  # no postproc, sink or logger: the collector has its own
         self.collector, self.max_staleness = collector, max_staleness
-        self.version = _version_of(collector)
+        self.version = collector.version
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()  # (batch, collector metrics) collected ahead
         self._requested = self._started = 0
         self._thread: threading.Thread | None = None
         self._is_done = self._is_stopping = self._is_paused = self._is_busy = False
         self._error: BaseException | None = None
+        self._inner: dict = {}  # the collector's metrics of the batch being handed out
         self.counters = {"dropped_tokens": 0, "dropped_stale_groups": 0, "collector_wait_s": 0.0, "trainer_wait_s": 0.0}
-        self.metrics = self._metrics(dict(getattr(collector, "metrics", {})))  # every key from the start
+
+    @property
+    def steps_done(self) -> int:
+        return self.collector.steps_done
 
     # -- the background thread --
     def _produce(self) -> None:
@@ -125,12 +134,9 @@ class AsyncCollector:
             self._thread.start()
 
     # -- the trainer side --
-    def __iter__(self) -> BatchIterator:
-        """An iterator of batches; an error of one batch ends that ``next()`` only, and the next one goes on."""
-        return BatchIterator(self.next_batch)
-
-    def next_batch(self) -> TensorDictBase | None:
-        """The next batch (staleness-checked against the current version); ``None`` when collection ends."""
+    def collect_batch(self) -> TensorDictBase | None:
+        """The next batch collected ahead (staleness-checked against the current version); ``None`` when
+        collection ends. Raises what the collector raised for this batch."""
         self._start()
         start = time.perf_counter()
         with self._cond:
@@ -148,8 +154,16 @@ class AsyncCollector:
             raise inner  # the collector failed this batch and went on: the next call gives the next one
         batch, dropped = self._drop_stale(batch)
         self.counters["dropped_tokens"] += dropped
-        self.metrics = self._metrics(inner, batch)
+        self._inner = inner
         return batch
+
+    def commit_batch(self) -> None:
+        """Nothing to drop: the batch left the queue when it was collected (its delivery has no step that can
+        fail here: the wrapped collector postprocessed and delivered it)."""
+
+    def counts(self) -> dict[str, int | float]:
+        """Tokens dropped as stale (with the collector's own), groups dropped, and the waits on either side."""
+        return dict(self.counters)
 
     def _drop_stale(self, batch: TensorDictBase) -> tuple[TensorDictBase, int]:
         """Remove what is older than ``version - max_staleness``; returns the batch and the tokens dropped."""
@@ -159,9 +173,9 @@ class AsyncCollector:
         n = int(stale.sum())
         if n == 0:
             return batch, 0
-        if batch.batch_dims == 1 or self.collector.mode == CollectMode.TRAJECTORIES:  # whole trajectories go
+        if batch.batch_dims == 1 or self.mode is CollectMode.TRAJECTORIES:  # whole trajectories go
             keep = ~stale.reshape(batch.shape[0], -1).any(-1)
-            if getattr(getattr(self.collector, "options", None), "is_whole_groups", True):
+            if self.options.is_whole_groups:
                 group = batch.get(keys.GROUP_ID).reshape(batch.shape[0], -1)[:, 0]
                 gone = group[~keep].unique()
                 keep &= ~torch.isin(group, gone)  # with whole groups: a stale sample takes its group along
@@ -173,38 +187,32 @@ class AsyncCollector:
         batch.set(keys.MASK, mask & ~stale)  # STEPS: a slot row holds several trajectories; mask the stale steps
         return batch, n
 
-    def _metrics(self, inner: dict, batch: TensorDictBase | None = None) -> dict[str, float]:
-        """The collector's metrics ``inner`` of ``batch`` with the staleness against the current version and
-        this collector's counters; ``batch=None`` gives those before the first batch (the same keys)."""
+    def batch_metrics(self, batch: TensorDictBase | None, elapsed: float) -> dict[str, float]:
+        """The collector's metrics of ``batch`` (as it measured them) with the staleness against the current version
+        and this collector's counters; ``batch=None`` gives those before the first batch (the same keys)."""
+        inner = self.collector.metrics if batch is None else self._inner
         mask = None if batch is None else batch.get(keys.MASK)
         lag = torch.zeros(0) if batch is None else (self.version - batch.get(keys.POLICY_VERSION)[mask]).float()
         out = dict(inner)
-        out.update(self.counters)
+        out.update(self.counts())
         out.update(policy_version=self.version, tokens=0 if mask is None else int(mask.sum()),
                    staleness_mean=float(lag.mean()) if lag.numel() else 0.0,
                    staleness_max=float(lag.max()) if lag.numel() else 0.0,
                    dropped_tokens=self.counters["dropped_tokens"] + int(inner.get("dropped_tokens", 0)))  # fmt: skip
         return out
 
-    def update_policy_weights_(self, policy_or_weights=None, *, weights=None) -> int:
-        """Publish new weights (a state_dict, a TensorDict of weights or the trained module); collection goes on
-        and switches at its next step boundary. They are copied now, so training may go on at once.
-        Returns the new version."""
-        weights = weights_of(policy_or_weights, weights,
-                             missing="AsyncCollector.update_policy_weights_ needs the new weights (a state_dict, a TensorDict "
-                             "or the trained module): the collector's policy holds its own copy of the model")
-        if isinstance(weights, TensorDictBase):
-            weights = weights.detach().clone()
-        else:
-            weights = {name: value.detach().clone() for name, value in weights.items()}
-        version = self.collector.update_policy_weights_(weights)
+    def push_weights(self, weights) -> int:
+        """Copy the weights now (training may go on at once) and hand them to the collector; collection goes on
+        and switches at its next step boundary."""
+        copied = {name: value.detach().clone() for name, value in weights_of(weights).items()}
+        version = self.collector.update_policy_weights_(copied)
         with self._cond:
             self.version = version
         return version
 
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(max_staleness={self.max_staleness}, version={self.version}, "
-                f"queued={len(self._queue)}, collector={self.collector!r})")
+    def describe(self) -> dict[str, object]:
+        return {"max_staleness": self.max_staleness, "version": self.version, "queued": len(self._queue),
+                "collector": repr(self.collector)}  # fmt: skip
 
     # -- lifecycle and checkpoints --
     def shutdown(self) -> None:
@@ -214,15 +222,12 @@ class AsyncCollector:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
-        shutdown = getattr(self.collector, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        self.collector.shutdown()
 
-    def __enter__(self) -> AsyncCollector:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Seed the collector (before iterating); returns ``seed``."""
+        self._check_not_started("set_seed")
+        return self.collector.set_seed(seed, static_seed)
 
     def state_dict(self) -> dict:
         """The collector's state, the batches it collected ahead (handed out first on resume), the version and
@@ -240,18 +245,13 @@ class AsyncCollector:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (before iterating)."""
-        if self._thread is not None:
-            raise RuntimeError("load_state_dict must come before iterating an AsyncCollector; build a new one")
+        self._check_not_started("load_state_dict")
         self.collector.load_state_dict(state["collector"])
         self._queue = collections.deque((q["b"], q["metrics"]) for q in state["queued"])
         self._started, self._requested = len(self._queue), 0
         self.version = int(state["version"])
         self.counters.update(state["counters"])
 
-
-def _version_of(collector) -> int:
-    version = getattr(collector, "version", None)  # RayTokenCollector
-    if version is None:
-        version = collector.policy.version  # TokenCollector
-    return int(version)
-
+    def _check_not_started(self, name: str) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"{name} must come before iterating an AsyncCollector; build a new one")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Callable
 
 import torch
 from tensordict import TensorDictBase
 
-from tokengym.collectors._metrics import collector_metrics
+from tokengym.collectors._metrics import sum_counts
 from tokengym.collectors._ray_worker import (
     CollectorWorker,
     PackedState,
@@ -19,8 +18,7 @@ from tokengym.collectors._ray_worker import (
     unpack_state,
     worker_seeds,
 )
-from tokengym.collectors.policies.protocol import weights_of
-from tokengym.collectors.token_collector import BatchIterator, CollectMode, CollectorOptions
+from tokengym.collectors.core import CollectMode, CollectorBase, CollectorOptions, CollectSpec
 from tokengym.llm_envs import PromptTable, keys
 
 __all__ = ["RayConfig", "RayTokenCollector", "cat_batches", "worker_seeds"]
@@ -57,7 +55,7 @@ class RayConfig:
     see the workers' output, ``object_store_memory``, ``runtime_env``)."""
 
 
-class RayTokenCollector:
+class RayTokenCollector(CollectorBase):
     """Collects with ``num_workers`` Ray actors, each a :class:`TokenCollector` built on the worker.
 
     Every worker builds its env with ``env_fn()`` (all alike: the same prompts in the same order) and
@@ -75,6 +73,11 @@ class RayTokenCollector:
     say) is rolled back to that state (after a ``PromptError`` it goes on past the prompt instead); the
     error names the worker, and the other workers' results of the round are kept for the next call,
     which the same iterator answers.
+
+    Validation, delivery (postproc, metrics, sink) and TorchRL's conventions are the collector core's
+    (:class:`~tokengym.collectors.core.CollectorBase`), as for a ``TokenCollector``; the metrics have a
+    ``TokenCollector``'s keys (the workers' counters added up) and ``workers`` (in the last batch) and
+    ``restarts``.
 
     Args:
         env_fn: picklable ``() -> TokenEnv`` (or a ``TransformedEnv`` of one), called on each worker.
@@ -105,36 +108,25 @@ class RayTokenCollector:
         (4, 2)
     """
 
+    needs_weights_because = "the workers hold their own copies of the model"
+
     def __init__(self, env_fn: Callable, policy_fn: Callable, *, num_workers: int = 2,
                  mode: CollectMode | str = CollectMode.STEPS, batch_size: int | None = None, total_steps: int = -1,
                  seed: int = 0, postproc: Callable | None = None, sink=None, source=None,
                  options: CollectorOptions | None = None, ray_config: RayConfig | None = None,
                  frames_per_batch: int | None = None, total_frames: int | None = None) -> None:  # fmt: skip
-        _check_args(env_fn, policy_fn, num_workers, seed, ray_config, postproc, sink)
-        try:
-            self.mode = CollectMode(mode)
-        except ValueError:
-            raise ValueError(f"mode must be one of {[m.value for m in CollectMode]}, got {mode!r}") from None
-        frames_per_batch, total_frames = _frames_per_worker(self.mode, num_workers, frames_per_batch, total_frames)
-        if batch_size is None and frames_per_batch is None:
-            raise ValueError("pass batch_size (env steps per batch in STEPS mode, trajectories per batch in "
-                             "TRAJECTORIES mode) or, in STEPS mode, TorchRL's frames_per_batch")  # fmt: skip
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
-            raise ValueError(f"batch_size / frames_per_batch must be a positive int, got {batch_size!r}")
-        for name, value in (("total_steps", total_steps), ("total_frames", total_frames)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -1):
-                raise ValueError(f"{name} must be a positive int or -1 (endless), got {value!r}")
-        self.num_workers, self.seed, self.postproc, self.sink = num_workers, seed, postproc, sink
+        _check_args(env_fn, policy_fn, num_workers, seed, ray_config)
+        spec = CollectSpec.from_args(mode, batch_size=batch_size, total_steps=total_steps, options=options,
+                                     frames_per_batch=frames_per_batch, total_frames=total_frames)  # fmt: skip
+        super().__init__(spec, postproc=postproc, sink=sink)
+        self.num_workers, self.seed = num_workers, seed
         self.config = ray_config or RayConfig()
-        self.batch_size, self.options = batch_size, options or CollectorOptions()
-        common = {"mode": mode, "batch_size": batch_size, "total_steps": total_steps, "frames_per_batch": frames_per_batch,
-                  "total_frames": total_frames, "source": source, "options": options}  # fmt: skip
-        self._specs = [WorkerSpec(env_fn, policy_fn, common, num_workers, self.config.cpus_per_worker)
-                       for _ in range(num_workers)]  # fmt: skip
+        self._worker_spec = WorkerSpec(env_fn, policy_fn, spec.per_worker(num_workers), source, num_workers,
+                                       self.config.cpus_per_worker)  # fmt: skip
         self._lock = threading.RLock()
         self._is_ray_owner, self._actor_cls = False, None
         self.restarts = [0] * num_workers
-        self.version, self._weights_ref, self._env_seed = 0, None, None
+        self.version, self.weight_updates, self._weights_ref, self._env_seed = 0, 0, None, None
         self._start_ray()
         self.workers: list = []
         try:
@@ -147,11 +139,12 @@ class RayTokenCollector:
         except Exception:
             self.shutdown()
             raise
-        self.metrics = self._metrics(None, [])  # every key from the start: a logger sees the same columns throughout
+        self._reports = [info["report"] for info in infos]  # each worker's steps and counters, as last sent
+        self._round_workers = 0  # workers in the last batch
         self._committed = [w.state_dict.options(**_COLLECT).remote() for w in self.workers]
         self._latest = list(self._committed)  # state after the last batch received (restart point)
         self._pending: dict[int, tuple] = {}  # worker -> (result ref, state ref) in flight
-        self._held: dict[int, tuple] = {}  # worker -> ((batch, metrics) | None, state ref) of this round
+        self._held: dict[int, tuple] = {}  # worker -> (batch, state ref) of this round, until delivered
         self._finished: set[int] = set()
 
     # -- Ray lifecycle --
@@ -173,13 +166,13 @@ class RayTokenCollector:
             self._actor_cls = ray.remote(concurrency_groups={"collect": 1})(CollectorWorker)
         options = {"num_cpus": self.config.cpus_per_worker, "max_restarts": 0, **self.config.actor_options}
         seed = worker_seeds(self.seed, self.num_workers)[i]
-        return self._actor_cls.options(**options).remote(self._specs[i], i, seed, self._env_seed, self._weights_ref,
+        return self._actor_cls.options(**options).remote(self._worker_spec, i, seed, self._env_seed, self._weights_ref,
                                                          self.version, state_ref)  # fmt: skip
 
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(num_workers={self.num_workers}, mode={self.mode.value!r}, "
-                f"batch_size={self.batch_size}, seed={self.seed}, address={self.config.address!r}, "
-                f"version={self.version}, restarts={sum(self.restarts)})")  # fmt: skip
+    def describe(self) -> dict[str, object]:
+        return {"num_workers": self.num_workers, "mode": repr(self.mode.value), "batch_size": self.batch_size,
+                "seed": self.seed, "address": repr(self.config.address), "version": self.version,
+                "restarts": sum(self.restarts)}  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop the workers; shut down the embedded Ray (or leave the cluster) if this collector started it."""
@@ -196,23 +189,13 @@ class RayTokenCollector:
             ray.shutdown()
         self._is_ray_owner = False
 
-    def __enter__(self) -> RayTokenCollector:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-    # -- iteration --
-    def __iter__(self) -> BatchIterator:
-        """An iterator of combined batches; an error of one round (a worker's, say) ends that ``next()``
-        only, and the next one goes on with the other workers' results of the round."""
-        return BatchIterator(self.next_batch, sink=self.sink)
-
-    def next_batch(self) -> TensorDictBase | None:
-        """One round: a batch from every worker still collecting, combined; ``None`` when all are done."""
+    # -- collecting --
+    def collect_batch(self) -> TensorDictBase | None:
+        """One round: a batch from every worker still collecting, combined; ``None`` when all are done. The
+        workers' parts are held (and their states not committed) until the batch is delivered; an error of one
+        worker ends the call, and the next one goes on with the other workers' results of the round."""
         if not self.workers:
             raise RuntimeError("this RayTokenCollector was shut down; build a new one")
-        start = time.perf_counter()
         while True:
             for i in range(self.num_workers):
                 if i not in self._finished and i not in self._held and i not in self._pending:
@@ -220,15 +203,16 @@ class RayTokenCollector:
             if not self._pending:
                 break
             self._receive_one()
-        results = {i: r for i, (r, _) in self._held.items()}
-        self._finished |= {i for i, r in results.items() if r is None}
+        self._round_workers = len(self._held)
+        if not self._held:
+            return None
+        return cat_batches([self._held[i][0] for i in sorted(self._held)])
+
+    def commit_batch(self) -> None:
+        """The round was delivered: a restarted worker resumes after it, and so does a checkpoint."""
         for i, (_, state_ref) in self._held.items():
             self._committed[i] = state_ref
         self._held = {}
-        parts = [results[i] for i in sorted(results) if results[i] is not None]
-        if not parts:
-            return None
-        return self._finish(cat_batches([b for b, _ in parts]), [m for _, m in parts], start)
 
     def _submit(self, i: int) -> None:
         result, state = self.workers[i].next_batch.options(num_returns=2, **_COLLECT).remote()
@@ -248,8 +232,13 @@ class RayTokenCollector:
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, Exception) else err
             raise cause from err  # the worker already rolled back; the other workers' results stay held
-        self._held[i] = (result, state_ref)
+        batch, self._reports[i] = result
         self._latest[i] = state_ref
+        if batch is None:  # this worker is done: nothing to deliver
+            self._finished.add(i)
+            self._committed[i] = state_ref
+        else:
+            self._held[i] = (batch, state_ref)
 
     def _restart(self, i: int, err: Exception) -> None:
         """Replace dead worker ``i`` with a new actor resuming from the state after its last batch."""
@@ -265,35 +254,25 @@ class RayTokenCollector:
                 pass
             self.workers[i] = self._new_worker(i, self._latest[i])
 
-    def _finish(self, batch: TensorDictBase, worker_metrics: list[dict], start: float) -> TensorDictBase:
-        if self.postproc is not None:
-            batch = self.postproc(batch)
-        self.metrics = self._metrics(batch, worker_metrics, time.perf_counter() - start)
-        return batch
+    @property
+    def steps_done(self) -> int:
+        """Env steps of all workers (each of ``B`` tokens, a worker's slots)."""
+        return sum(int(r["steps"]) for r in self._reports)
 
-    def _metrics(self, batch: TensorDictBase | None, worker_metrics: list[dict], elapsed: float = 0.0) -> dict[str, float]:
-        """The metrics of a combined batch; ``None`` gives those before the first batch (the same keys)."""
-        counts = {"workers": len(worker_metrics), "restarts": sum(self.restarts),
-                  "dropped_tokens": sum(int(m.get("dropped_tokens", 0)) for m in worker_metrics)}  # fmt: skip
-        return collector_metrics(batch, elapsed, self.version, sum(int(m["steps"]) for m in worker_metrics),
-                                 is_last_step_only=batch is not None and batch.batch_dims == 1, counts=(counts,),
-                                 postproc=self.postproc)  # fmt: skip
+    def counts(self) -> dict[str, int]:
+        """The workers' counters added up, with the workers of the last batch, restarts and weight updates."""
+        return {**sum_counts(r["counts"] for r in self._reports), "workers": self._round_workers,
+                "restarts": sum(self.restarts), "weight_updates": self.weight_updates}  # fmt: skip
 
     # -- weights --
-    def update_policy_weights_(self, policy_or_weights=None, *, weights=None) -> int:
-        """Put new weights into the object store once; every worker loads them (applied at its next step
-        boundary when it is collecting) and the version bumps everywhere. Returns the new version.
-
-        ``weights`` (or the positional argument) is a state_dict, a TensorDict of weights or a module
-        (its ``state_dict()``). The workers hold their own models, so the weights are required.
-        """
+    def push_weights(self, weights) -> int:
+        """Put the weights into the object store once; every worker loads them (at its next step boundary when it
+        is collecting) and the version bumps everywhere."""
         ray = _ray()
-        weights = weights_of(policy_or_weights, weights,
-                             missing="RayTokenCollector.update_policy_weights_ needs the weights (a state_dict, a TensorDict "
-                             "or the trained module): the workers hold their own copies of the model")
         ref = ray.put(pack_weights(weights))
         with self._lock:
             self.version += 1
+            self.weight_updates += 1
             self._weights_ref, version = ref, self.version
             calls = [w.update_policy_weights_.remote(ref, version) for w in self.workers]
         for call in calls:
@@ -320,8 +299,9 @@ class RayTokenCollector:
         Plain data like a ``TokenCollector``'s state (``torch.load(..., weights_only=True)`` reads it back);
         the weights are the trainer's to save."""
         ray = _ray()
-        return {"workers": [unpack_state(s) for s in ray.get(list(self._committed))], "version": self.version, "finished": sorted(self._finished),
-                "num_workers": self.num_workers, "seed": self.seed, "env_seed": self._env_seed}  # fmt: skip
+        return {"workers": [unpack_state(s) for s in ray.get(list(self._committed))], "version": self.version,
+                "finished": sorted(self._finished), "num_workers": self.num_workers, "seed": self.seed,
+                "env_seed": self._env_seed, "weight_updates": self.weight_updates}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`: the rounds that follow are those the saved run would have yielded."""
@@ -329,13 +309,15 @@ class RayTokenCollector:
         if state["num_workers"] != self.num_workers:
             raise ValueError(f"this checkpoint has {state['num_workers']} workers, this collector {self.num_workers}; "
                              "the prompt shards differ, build the collector with the same num_workers")  # fmt: skip
-        self._pending, self._held = {}, {}  # results in flight are dropped: the workers replay them
+        self._pending, self._held, self.undelivered = {}, {}, None  # dropped: the workers replay them
         self.version, self.seed, self._env_seed = int(state["version"]), state["seed"], state["env_seed"]
+        self.weight_updates = int(state.get("weight_updates", self.version))
         self._finished = set(state["finished"])
         ray.get([w.load_state_dict.options(**_COLLECT).remote(s, self.version)
                  for w, s in zip(self.workers, state["workers"], strict=True)])  # fmt: skip
         self._committed = [ray.put(PackedState(s)) for s in state["workers"]]
         self._latest = list(self._committed)
+        self._reports = [info["report"] for info in ray.get([w.info.remote() for w in self.workers])]
 
     def worker_pids(self) -> list[int]:
         """Process ids of the worker actors."""
@@ -371,27 +353,8 @@ def cat_batches(batches: list[TensorDictBase]) -> TensorDictBase:
     return out
 
 
-def _frames_per_worker(mode, num_workers: int, frames_per_batch, total_frames) -> tuple:
-    """TorchRL's counts of the combined batch turned into each worker's: a ``STEPS`` batch is
-    ``(num_workers * B, T)``, so ``frames_per_batch`` = ``num_workers * B * T`` and each worker collects
-    ``frames_per_batch / num_workers``; ``total_frames`` is shared the same way (rounded up)."""
-    if frames_per_batch is not None:
-        if mode is not CollectMode.STEPS:
-            raise ValueError(f"frames_per_batch={frames_per_batch!r} counts TorchRL frames (tokens of one slot), which "
-                             "size STEPS batches only; a TRAJECTORIES batch holds a number of trajectories: pass "
-                             "batch_size=N (a multiple of group_size)")  # fmt: skip
-        if isinstance(frames_per_batch, bool) or not isinstance(frames_per_batch, int) or frames_per_batch <= 0:
-            raise ValueError(f"frames_per_batch must be a positive int, got {frames_per_batch!r}")
-        if frames_per_batch % num_workers:
-            raise ValueError(f"frames_per_batch={frames_per_batch} is not a multiple of num_workers={num_workers}: a "
-                             "STEPS batch is (num_workers * B, T), num_workers * B * T frames")  # fmt: skip
-        frames_per_batch //= num_workers
-    if isinstance(total_frames, int) and not isinstance(total_frames, bool) and total_frames > 0:
-        total_frames = -(-total_frames // num_workers)
-    return frames_per_batch, total_frames
-
-
-def _check_args(env_fn, policy_fn, num_workers, seed, ray_config, postproc, sink) -> None:
+def _check_args(env_fn, policy_fn, num_workers, seed, ray_config) -> None:
+    """What only a RayTokenCollector takes; the rest is checked by the collector core."""
     for name, fn in (("env_fn", env_fn), ("policy_fn", policy_fn)):
         if not callable(fn):
             raise TypeError(f"{name} must be a picklable callable building the {name[:-3]} on a worker, got {fn!r}")
@@ -401,7 +364,3 @@ def _check_args(env_fn, policy_fn, num_workers, seed, ray_config, postproc, sink
         raise TypeError(f"seed must be an int, got {seed!r}")
     if ray_config is not None and not isinstance(ray_config, RayConfig):
         raise TypeError(f"ray_config must be a RayConfig, got {type(ray_config).__name__}")
-    if postproc is not None and not callable(postproc):
-        raise TypeError(f"postproc must be callable on a TensorDict, got {postproc!r}")
-    if sink is not None and not (hasattr(sink, "extend") or hasattr(sink, "put")):
-        raise TypeError(f"sink must be a ReplayBuffer (extend) or a queue (put), got {type(sink).__name__}")

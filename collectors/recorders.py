@@ -3,8 +3,8 @@
 Both recorders take chunks of steps from a step source (a dict of flat keys, TensorDict's
 ``flatten_keys(".")`` names, each (B, k, ...) for k consecutive steps of the B slots) and give
 TensorDict batches with ``keys.MASK`` and provenance filled in. One interface:
-``write(chunk) -> leftover``, ``is_full``, ``pop()``, ``flush()``, ``queued_trajectories()``,
-``state_dict()`` / ``load_state_dict()``.
+``write(chunk) -> leftover``, ``is_full``, ``peek()`` (the next batch, left in place) and ``commit()`` (drop it:
+it was delivered), ``queued_trajectories()``, ``state_dict()`` / ``load_state_dict()``.
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ class StepRecorder:
 
     def __init__(self, steps: int) -> None:
         self.steps, self.t, self.buf, self._packer = steps, 0, None, None
-        self.pieces: list[dict] = []  # wave chunks (B, k, ...) as given: concatenated once, at pop
+        self.pieces: list[dict] = []  # wave chunks (B, k, ...) as given: concatenated once, at peek
 
     def write(self, chunk: dict) -> dict | None:
         """Write the first columns of ``chunk`` (B, k, ...) (or a :class:`Step`) that fit; return the rest."""
+        if isinstance(chunk, Step) and self.pieces:  # a restored partial batch: go on in its layout
+            return self.write({name: v.unsqueeze(1) for name, v in chunk.items()})
         if isinstance(chunk, Step):
             if self.buf is None:
                 self._packer = Packer(chunk)
@@ -55,29 +57,39 @@ class StepRecorder:
     def is_full(self) -> bool:
         return self.t == self.steps
 
-    def pop(self) -> TensorDict:
-        """The batch (B, T); the mask marks steps of live slots."""
-        if self.pieces:
-            flat = {name: torch.cat([p[name] for p in self.pieces], 1) if len(self.pieces) > 1 else self.pieces[0][name].clone()
-                    for name in self.pieces[0]}  # fmt: skip
-        else:
-            buf = self.buf if self.t == self.steps else {dt: v[:, : self.t] for dt, v in self.buf.items()}
-            flat = self._packer.unpack(buf)
+    def peek(self, *, partial: bool = False) -> TensorDict | None:
+        """The batch (B, T), left here until :meth:`commit`; the mask marks steps of live slots. ``partial``: the
+        steps written so far when fewer than ``T`` (a last, shorter batch). ``None`` when there is none."""
+        if not (self.is_full or (partial and self.t > 0)):
+            return None
+        flat = self._steps()
         flat[F_MASK] = flat[F_ACTIVE].clone()
-        self.buf, self.t, self.pieces = None, 0, []
         return to_tensordict(flat, flat[F_MASK].shape)
 
-    def flush(self) -> TensorDict | None:
-        """A last, shorter batch of the steps written so far, or ``None``."""
-        return self.pop() if self.t > 0 else None
+    def commit(self) -> None:
+        """Drop the batch :meth:`peek` gave (it was delivered)."""
+        self.buf, self.t, self.pieces = None, 0, []
+
+    def _steps(self) -> dict:
+        """The steps written so far by flat name, (B, t, ...)."""
+        if self.pieces:
+            return {name: torch.cat([p[name] for p in self.pieces], 1) if len(self.pieces) > 1 else self.pieces[0][name].clone()
+                    for name in self.pieces[0]}  # fmt: skip
+        buf = self.buf if self.t == self.steps else {dt: v[:, : self.t] for dt, v in self.buf.items()}
+        return self._packer.unpack(buf)
 
     def queued_trajectories(self) -> list[int]:
         return []
 
     def state_dict(self) -> dict:
-        return {"t": self.t}
+        """The steps written so far (a batch not yet delivered, or a partial one), as plain tensors."""
+        if self.t == 0:
+            return {"t": 0}
+        return {"t": self.t, "steps": self._steps()}  # copies
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("t", 0):
-            raise ValueError("a StepRecorder resumes only at a batch boundary (checkpoint between batches)")
         self.buf, self.t, self.pieces = None, 0, []
+        if state.get("t", 0):
+            if "steps" not in state:
+                raise ValueError("a StepRecorder resumes only at a batch boundary (checkpoint between batches)")
+            self.pieces, self.t = [dict(state["steps"])], int(state["t"])

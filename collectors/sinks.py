@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tensordict import TensorDictBase
 
-__all__ = ["check_extend", "extend_checked", "write_to_sink"]
+__all__ = ["check_extend", "check_sink", "extend_checked", "write_to_sink"]
 
 
 def _layout(td: TensorDictBase, lead: int) -> dict:
@@ -67,6 +67,12 @@ def extend_checked(buffer, batch: TensorDictBase):
     """``buffer.extend(batch)`` after :func:`check_extend`: a batch that does not fit leaves the buffer as it was."""
     check_extend(buffer, batch)
     return buffer.extend(batch)
+
+
+def check_sink(sink) -> None:
+    """Raise ``TypeError`` unless ``sink`` is ``None``, a replay buffer (``extend``) or a queue (``put``)."""
+    if sink is not None and not (hasattr(sink, "extend") or hasattr(sink, "put")):
+        raise TypeError(f"sink must be a ReplayBuffer (extend) or a queue (put), got {type(sink).__name__}")
 
 
 def write_to_sink(sink, batch: TensorDictBase) -> None:

@@ -46,7 +46,7 @@ class TrajectoryRecorder:
 
     Finished trajectories wait per group until the group's ``group_size`` samples are in; complete
     groups are released in the order they completed, and a batch's tensors are assembled once, in
-    :meth:`pop` (no copy at all when the batch is one wave's rows in order). Waiting is bounded: every
+    :meth:`peek` (no copy at all when the batch is one wave's rows in order). Waiting is bounded: every
     waiting group has a sample in a slot or in the prompt source (a group that can no longer complete
     is dropped with :meth:`drop_groups`), so at most ``(B + 1) * (group_size - 1)`` trajectories wait.
 
@@ -70,6 +70,7 @@ class TrajectoryRecorder:
         self.ready: list[tuple] = []  # (segment, row, length, group, traj) of complete groups
         self.waiting: dict[int, list[tuple]] = {}  # group -> its finished trajectories so far
         self.counters = {"dropped_groups": 0, "dropped_trajectories": 0}
+        self._peeked = 0  # ready trajectories the last peek() gave
 
     # -- writing --
     def write(self, chunk: dict) -> None:
@@ -187,21 +188,30 @@ class TrajectoryRecorder:
         """Finished trajectories waiting for the rest of their group."""
         return sum(len(m) for m in self.waiting.values())
 
-    def pop(self, n: int | None = None) -> TensorDict:
-        """Right-padded (n, T) tensors of the first ``n`` ready trajectories (in the order they became
-        ready), with mask and versions; zeros past each trajectory's end."""
-        n = self.batch_size if n is None else n
-        take, self.ready = self.ready[:n], self.ready[n:]
+    def peek(self, *, partial: bool = False) -> TensorDict | None:
+        """Right-padded (N, T) tensors of the first ``batch_size`` ready trajectories (in the order they became
+        ready), with mask and versions, zeros past each trajectory's end; they stay queued until :meth:`commit`.
+        ``partial``: the ready ones when fewer (a last batch; unfinished groups keep waiting). ``None``: none."""
+        n = self.batch_size if self.is_full else len(self.ready) if partial else 0
+        if n == 0:
+            return None
+        self._peeked = n
+        take = self.ready[:n]
         lengths = torch.tensor([e[2] for e in take])
         width = self.max_steps if self.is_fixed_width else int(lengths.max())
         mask = torch.arange(width)[None, :] < lengths[:, None]
         out = self._assemble(take, width, mask)
-        self.free += [e[1] for e in take if e[0] is self.store]
         out[F_MASK] = mask
         version, last = out[F_VERSION], (lengths - 1)[:, None]
         out[flat_name(keys.VERSION_START)] = version[:, :1].expand_as(version).clone()
         out[flat_name(keys.VERSION_END)] = version.gather(1, last).expand_as(version).clone()
         return to_tensordict(out, mask.shape)
+
+    def commit(self) -> None:
+        """Drop the trajectories :meth:`peek` gave (they were delivered); their store rows are free again."""
+        take, self.ready = self.ready[: self._peeked], self.ready[self._peeked :]
+        self.free += [e[1] for e in take if e[0] is self.store]
+        self._peeked = 0
 
     def _assemble(self, take: list[tuple], width: int, mask: torch.Tensor) -> dict:
         """Per flat name, the rows of ``take`` in order, cut or zero-padded to ``width``: the wave's tensors as
@@ -241,10 +251,6 @@ class TrajectoryRecorder:
             out[name] = v
         return out
 
-    def flush(self) -> TensorDict | None:
-        """The ready trajectories (fewer than a batch), or ``None``; unfinished groups keep waiting."""
-        return self.pop(len(self.ready)) if self.ready else None
-
     def queued_trajectories(self) -> list[int]:
         """Trajectory ids finished but not yet popped."""
         return [e[4] for e in self._entries()]
@@ -274,6 +280,7 @@ class TrajectoryRecorder:
 
     def load_state_dict(self, state: dict) -> None:
         self.store, self.row_of_slot, self.free, self._packer, self._id_columns = None, None, [], None, None
+        self._peeked = 0
         if state["live"] is not None:
             self._packer = Packer(state["live"])  # (B, T_max, ...) per key
             packed = self._packer.pack(state["live"])

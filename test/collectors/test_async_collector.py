@@ -137,5 +137,5 @@ def test_bad_arguments(tokenizer, trainer_model):
         AsyncCollector(inner, max_staleness=-1)
     with pytest.raises(TypeError, match="collector must be a TokenCollector or a RayTokenCollector"):
         AsyncCollector([inner])
-    with AsyncCollector(inner) as collector, pytest.raises(ValueError, match="needs the new weights"):
+    with AsyncCollector(inner) as collector, pytest.raises(ValueError, match="needs the weights"):
         collector.update_policy_weights_()

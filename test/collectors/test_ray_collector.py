@@ -244,7 +244,7 @@ def test_async_over_ray_workers_bounds_staleness():
     ("kwargs", "error", "match"),
     [({"num_workers": 0}, ValueError, "num_workers must be a positive int, got 0"),
      ({"mode": "episodes"}, ValueError, "mode must be one of"),
-     ({"batch_size": 0}, ValueError, "batch_size / frames_per_batch must be a positive int, got 0"),
+     ({"batch_size": 0}, ValueError, r"batch_size / frames_per_batch \(.*\) must be a positive int, got 0"),
      ({"batch_size": 4, "frames_per_batch": 5}, ValueError, "frames_per_batch=5 is not a multiple of num_workers=2"),
      ({"mode": "trajectories", "frames_per_batch": 4}, ValueError, "counts TorchRL frames .* pass batch_size=N"),
      ({"total_steps": 0}, ValueError, "total_steps must be a positive int or -1"),
@@ -287,11 +287,13 @@ def test_a_workers_prompt_error_ends_one_next_and_the_same_iterator_goes_on():
                            batch_size=4) as collector:  # fmt: skip
         it = iter(collector)
         batches = []
-        with pytest.raises(PromptError, match="RayTokenCollector worker [01]: .*prompt item 5 is a mapping"):
+        with pytest.raises(PromptError, match="RayTokenCollector worker [01]: .*prompt item 5 is a mapping") as caught:
             while True:
                 batches.append(next(it))
+        assert caught.value.slots  # the worker's exception itself: its type and attributes, the message prefixed
         batches.append(next(it))  # the same iterator goes on
         batches += list(it)  # with no second error: the worker went on past the prompt
+        assert collector.metrics["failed_prompts"] == 1  # counted by the worker, added up by the driver
     rows = _rows(batches)
     assert sorted((text, s) for _, s, text, _ in rows) == sorted((p["prompt"], s) for p in PROMPTS for s in range(GROUP))
     assert len({r[3] for r in rows}) == len(rows)  # nothing twice
@@ -304,3 +306,39 @@ def test_metrics_have_every_key_before_the_first_batch(mode, batch_size):
         assert before["workers"] == before["tokens"] == before["restarts"] == 0
         next(iter(collector))
         assert set(collector.metrics) == set(before) and collector.metrics["workers"] == 2
+
+
+@pytest.mark.parametrize(("mode", "batch_size"), [("steps", 3), ("trajectories", 4)])
+def test_metrics_have_a_token_collectors_keys(mode, batch_size):
+    """The workers send their counters (failed prompts, weight updates, prompt counts, the recorder's) and the
+    driver adds them up with the same metric function; it adds ``workers`` and ``restarts``."""
+    env = make_env()
+    local = TokenCollector(env, make_policy(env), mode=mode, batch_size=batch_size)
+    next(iter(local))
+    with RayTokenCollector(make_env, make_policy, num_workers=2, mode=mode, batch_size=batch_size) as collector:
+        assert set(collector.metrics) == set(local.metrics) | {"workers", "restarts"}
+        next(iter(collector))
+        collector.update_policy_weights_(tiny_model(tiny_tokenizer(), seed=1).state_dict())
+        next(iter(collector))
+        assert set(collector.metrics) == set(local.metrics) | {"workers", "restarts"}
+        assert collector.metrics["weight_updates"] == 1 and collector.metrics["steps"] > 0
+
+
+def test_a_failing_postproc_on_the_driver_loses_nothing():
+    calls = []
+
+    def flaky(batch):
+        calls.append(batch.shape[0])
+        if len(calls) == 2:
+            raise RuntimeError("postproc down")
+        return batch
+
+    with RayTokenCollector(make_env, make_policy, num_workers=2, mode="trajectories", batch_size=8,
+                           postproc=flaky) as collector:  # fmt: skip
+        it = iter(collector)
+        batches = [next(it)]
+        with pytest.raises(RuntimeError, match="postproc down"):
+            next(it)
+        batches += list(it)  # the round whose postproc raised comes first
+    assert len(calls) == len(batches) + 1
+    _check_against_source(batches, 2)
