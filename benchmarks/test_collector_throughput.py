@@ -31,7 +31,8 @@ import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
 
-from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy, sample_tokens
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import SamplingConfig, TransformersPolicy, sample_tokens
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_model, tiny_tokenizer
 

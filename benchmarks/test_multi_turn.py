@@ -21,7 +21,8 @@ import time
 import pytest
 import torch
 
-from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import SamplingConfig, TransformersPolicy
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
 from tokengym.testing import tiny_model, tiny_tokenizer

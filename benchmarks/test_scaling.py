@@ -41,8 +41,9 @@ ray = pytest.importorskip("ray")
 from ray import cloudpickle  # noqa: E402
 
 from tokengym._demo import DemoConfig, build, split_problems  # noqa: E402
-from tokengym.collectors import CollectorOptions, SamplingConfig, TokenCollector, TransformersPolicy  # noqa: E402
+from tokengym.collectors import CollectorOptions, TokenCollector  # noqa: E402
 from tokengym.collectors.async_collector import AsyncCollector  # noqa: E402
+from tokengym.collectors.policies import SamplingConfig, TransformersPolicy  # noqa: E402
 from tokengym.collectors.ray_collector import RayConfig, RayTokenCollector  # noqa: E402
 from tokengym.llm_envs import TokenEnv, keys  # noqa: E402
 from tokengym.llm_envs.tasks import arithmetic_reward  # noqa: E402

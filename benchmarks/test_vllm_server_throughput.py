@@ -36,7 +36,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from tokengym.collectors import LocalVLLMServer, SamplingConfig, TokenCollector, VLLMPolicy, VLLMServerPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import LocalVLLMServer, SamplingConfig, VLLMPolicy, VLLMServerPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_tokenizer
 

@@ -31,7 +31,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import SamplingConfig, TransformersPolicy
 from tokengym.collectors.policies.vllm_policy import VLLMPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_tokenizer

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from tokengym._demo import DemoConfig, split_problems, warm_start
-from tokengym.collectors import SamplingConfig, SequenceActor, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import SamplingConfig, SequenceActor, TransformersPolicy
 from tokengym.llm_envs import TokenEnv
 from tokengym.llm_envs.tasks import arithmetic_reward
 from tokengym.testing import tiny_model, tiny_tokenizer

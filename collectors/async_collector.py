@@ -56,7 +56,8 @@ class AsyncCollector(CollectorBase):
     Example:
         >>> import copy
         >>> from tokengym.llm_envs import TokenEnv
-        >>> from tokengym.collectors import TokenCollector, TransformersPolicy
+        >>> from tokengym.collectors import TokenCollector
+        >>> from tokengym.collectors.policies import TransformersPolicy
         >>> from tokengym.testing import tiny_tokenizer, tiny_model
         >>> tok = tiny_tokenizer(); model = tiny_model(tok)
         >>> env = TokenEnv(["1+1=", "2+3="], tok, batch_size=2, max_new_tokens=4, model_config=model.config)

@@ -94,7 +94,7 @@ class RayTokenCollector(CollectorBase):
 
     Example:
         >>> from tokengym.llm_envs import TokenEnv
-        >>> from tokengym.collectors import TransformersPolicy
+        >>> from tokengym.collectors.policies import TransformersPolicy
         >>> from tokengym.testing import tiny_tokenizer, tiny_model
         >>> def env_fn():
         ...     return TokenEnv(["1+1=", "2+3=", "3+4="], tiny_tokenizer(), batch_size=2, max_new_tokens=3,

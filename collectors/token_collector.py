@@ -66,7 +66,7 @@ class TokenCollector(CollectorBase):
 
     Example:
         >>> from tokengym.llm_envs import TokenEnv
-        >>> from tokengym.collectors import TransformersPolicy
+        >>> from tokengym.collectors.policies import TransformersPolicy
         >>> from tokengym.testing import tiny_tokenizer, tiny_model
         >>> tok = tiny_tokenizer(); model = tiny_model(tok)
         >>> env = TokenEnv(["1+1=", "2+3="], tok, batch_size=2, max_new_tokens=4, model_config=model.config)

@@ -10,7 +10,8 @@ import argparse
 
 import torch
 
-from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import SamplingConfig, TransformersPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_model, tiny_tokenizer
 

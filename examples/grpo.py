@@ -16,7 +16,8 @@ import copy
 import torch
 from torchrl.objectives.llm import GRPOLoss
 
-from tokengym.collectors import PaddedSequenceActor, SamplingConfig, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import PaddedSequenceActor, SamplingConfig, TransformersPolicy
 from tokengym.llm_envs import TokenEnv
 from tokengym.llm_envs.tasks import arithmetic_prompts
 from tokengym.testing import tiny_model, tiny_tokenizer

@@ -18,7 +18,8 @@ from tensordict import TensorDictBase
 from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
-from tokengym.collectors import SamplingConfig, SequenceActor, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import SamplingConfig, SequenceActor, TransformersPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.llm_envs.tasks import arithmetic_prompts, arithmetic_reward
 from tokengym.testing import tiny_model, tiny_tokenizer

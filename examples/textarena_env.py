@@ -3,7 +3,8 @@
 
 import argparse
 
-from tokengym.collectors import TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import TransformersPolicy
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.adapters import make_text_env, make_textarena_env
 from tokengym.testing import tiny_model, tiny_tokenizer

@@ -15,7 +15,8 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
-from tokengym.collectors import LocalVLLMServer, ServerOptions, TokenCollector, VLLMServerPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import LocalVLLMServer, ServerOptions, VLLMServerPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_model, tiny_tokenizer
 

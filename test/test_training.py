@@ -7,7 +7,8 @@ import torch
 from tensordict import TensorDict
 from torchrl.objectives import ClipPPOLoss
 
-from tokengym.collectors import SequenceActor, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import SequenceActor, TransformersPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_model, tiny_tokenizer
 from tokengym.training import TrainOptions, train

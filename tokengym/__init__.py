@@ -4,15 +4,12 @@ The top level holds what a quickstart types; everything else is importable from 
 (``tokengym.llm_envs``, ``tokengym.transforms``, ``tokengym.collectors``).
 """
 
-from tokengym.collectors import (
-    AsyncCollector,
-    CollectMode,
+from tokengym.collectors import AsyncCollector, CollectMode, RayTokenCollector, TokenCollector
+from tokengym.collectors.policies import (
     PaddedSequenceActor,
     PolicyWithReference,
-    RayTokenCollector,
     SamplingConfig,
     SequenceActor,
-    TokenCollector,
     TokenPolicy,
     TransformersPolicy,
     VLLMPolicy,

@@ -21,8 +21,9 @@ import torch
 from torchrl.objectives import ClipPPOLoss
 
 from tokengym import training
-from tokengym.collectors import SamplingConfig, SequenceActor, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
 from tokengym.collectors.async_collector import AsyncCollector
+from tokengym.collectors.policies import SamplingConfig, SequenceActor, TransformersPolicy
 from tokengym.llm_envs import TokenEnv
 from tokengym.llm_envs.tasks import arithmetic_reward
 from tokengym.testing import tiny_model, tiny_tokenizer

@@ -20,7 +20,8 @@ from torchrl.objectives import ClipPPOLoss
 
 from tokengym import training
 from tokengym._demo import warm_start
-from tokengym.collectors import SamplingConfig, SequenceActor, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import SamplingConfig, SequenceActor, TransformersPolicy
 from tokengym.llm_envs import TokenEnv
 from tokengym.llm_envs.adapters.reasoning_gym import (
     ReasoningGymReward,

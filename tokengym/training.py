@@ -58,7 +58,8 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
 
     Example:
         >>> from torchrl.objectives import ClipPPOLoss
-        >>> from tokengym.collectors import SequenceActor, TokenCollector, TransformersPolicy
+        >>> from tokengym.collectors import TokenCollector
+        >>> from tokengym.collectors.policies import SequenceActor, TransformersPolicy
         >>> from tokengym.llm_envs import TokenEnv
         >>> from tokengym.testing import tiny_model, tiny_tokenizer
         >>> from tokengym.transforms import GroupAdvantage

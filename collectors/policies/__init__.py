@@ -26,7 +26,7 @@ from tokengym.collectors.policies.sequence_actor import MaskedCategorical, Padde
 from tokengym.collectors.policies.transformers_policy import TransformersPolicy
 from tokengym.collectors.policies.vllm_policy import VLLMPolicy
 from tokengym.collectors.policies.vllm_server import LocalVLLMServer
-from tokengym.collectors.policies.vllm_server_policy import NoServerError, ServerOptions, VLLMServerPolicy
+from tokengym.collectors.policies.vllm_server_policy import ServerOptions, VLLMServerPolicy
 
 __all__ = [
     "MaskedCategorical",
@@ -43,7 +43,6 @@ __all__ = [
     "VLLMServerPolicy",
     "WavePolicy",
     "LocalVLLMServer",
-    "NoServerError",
     "ServerOptions",
     "check_fits_env",
     "check_policy",

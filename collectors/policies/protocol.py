@@ -289,7 +289,7 @@ def check_policy_env(policy, env) -> None:
     reaches the policy as a request, so a wave source may share one policy between envs.)
 
     Example:
-        >>> from tokengym.collectors import TransformersPolicy
+        >>> from tokengym.collectors.policies import TransformersPolicy
         >>> from tokengym.testing import tiny_model, tiny_tokenizer
         >>> tok = tiny_tokenizer(); model = tiny_model(tok)
         >>> env4, env8 = (TokenEnv(["1+1="], tok, batch_size=b, model_config=model.config) for b in (4, 8))

@@ -30,7 +30,7 @@ class StepwiseReference(TensorDictModuleBase):
 
     Example:
         >>> from tokengym.llm_envs import TokenEnv
-        >>> from tokengym.collectors import TransformersPolicy
+        >>> from tokengym.collectors.policies import TransformersPolicy
         >>> from tokengym.testing import tiny_tokenizer, tiny_model
         >>> tok = tiny_tokenizer(); model = tiny_model(tok)
         >>> env = TokenEnv(["1+1="], tok, batch_size=2, max_new_tokens=4, model_config=model.config)
@@ -80,7 +80,8 @@ class PolicyWithReference:
 
     Example:
         >>> from tokengym.llm_envs import TokenEnv
-        >>> from tokengym.collectors import TokenCollector, TransformersPolicy
+        >>> from tokengym.collectors import TokenCollector
+        >>> from tokengym.collectors.policies import TransformersPolicy
         >>> from tokengym.testing import tiny_tokenizer, tiny_model
         >>> tok = tiny_tokenizer(); model = tiny_model(tok)
         >>> env = TokenEnv(["1+1="], tok, batch_size=2, max_new_tokens=3, model_config=model.config)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tokengym.collectors import SamplingConfig, TransformersPolicy
+from tokengym.collectors.policies import SamplingConfig, TransformersPolicy
 from tokengym.llm_envs import TokenEnv
 
 PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]

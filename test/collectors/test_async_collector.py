@@ -6,8 +6,9 @@ import time
 import pytest
 import torch
 
-from tokengym.collectors import CollectorOptions, TokenCollector, TransformersPolicy
+from tokengym.collectors import CollectorOptions, TokenCollector
 from tokengym.collectors.async_collector import AsyncCollector
+from tokengym.collectors.policies import TransformersPolicy
 from tokengym.errors import RewardFunctionError
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_model

@@ -5,8 +5,9 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.objectives import ClipPPOLoss
 
-from tokengym.collectors import CollectorOptions, SequenceActor, TokenCollector
+from tokengym.collectors import CollectorOptions, TokenCollector
 from tokengym.collectors.async_collector import AsyncCollector
+from tokengym.collectors.policies import SequenceActor
 from tokengym.collectors.sinks import extend_checked
 from tokengym.errors import PromptError
 from tokengym.llm_envs import PromptSource, TokenEnv, keys

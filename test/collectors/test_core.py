@@ -160,7 +160,7 @@ def test_update_policy_weights_has_one_meaning(make_env, tokenizer, model):
     in place. A module given to a TokenCollector was ignored (a version bump with the old weights)."""
     import copy
 
-    from tokengym.collectors import TransformersPolicy
+    from tokengym.collectors.policies import TransformersPolicy
     from tokengym.testing import tiny_model
 
     env = make_env(batch_size=2)

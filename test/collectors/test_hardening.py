@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import SamplingConfig, TransformersPolicy
 from tokengym.errors import PromptError, RewardFunctionError
 from tokengym.llm_envs import PromptSource, TokenEnv, keys
 

@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from tokengym.collectors import TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
 from tokengym.collectors.async_collector import AsyncCollector
+from tokengym.collectors.policies import TransformersPolicy
 from tokengym.errors import PromptError
 from tokengym.llm_envs import PromptSource, TokenEnv, keys
 from tokengym.transforms import ZeroStdGroupFilter

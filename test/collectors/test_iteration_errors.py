@@ -10,8 +10,9 @@ import copy
 
 import pytest
 
-from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
 from tokengym.collectors.async_collector import AsyncCollector
+from tokengym.collectors.policies import SamplingConfig, TransformersPolicy
 from tokengym.errors import PromptError
 from tokengym.llm_envs import PromptSource, TokenEnv, keys
 

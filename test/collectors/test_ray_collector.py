@@ -12,8 +12,9 @@ import ray  # noqa: E402 - the "ray" extra; `make test` installs it
 import torch
 from ray import cloudpickle  # noqa: E402
 
-from tokengym.collectors import TokenCollector, TransformersPolicy  # noqa: E402
+from tokengym.collectors import TokenCollector
 from tokengym.collectors.async_collector import AsyncCollector  # noqa: E402
+from tokengym.collectors.policies import TransformersPolicy
 from tokengym.collectors.ray_collector import RayConfig, RayTokenCollector, cat_batches, worker_seeds  # noqa: E402
 from tokengym.errors import PromptError, RewardFunctionError
 from tokengym.llm_envs import PromptSource, TokenEnv, keys

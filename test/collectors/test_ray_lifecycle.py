@@ -11,7 +11,7 @@ import pytest
 import ray  # noqa: E402 - the "ray" extra; `make test` installs it
 from ray import cloudpickle  # noqa: E402
 
-from tokengym.collectors import TransformersPolicy  # noqa: E402
+from tokengym.collectors.policies import TransformersPolicy
 from tokengym.collectors.ray_collector import RayConfig, RayTokenCollector  # noqa: E402
 from tokengym.llm_envs import TokenEnv  # noqa: E402
 from tokengym.testing import tiny_model, tiny_tokenizer  # noqa: E402

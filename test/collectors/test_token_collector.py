@@ -4,7 +4,8 @@ import pytest
 import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-from tokengym.collectors import CollectMode, SamplingConfig, TokenCollector
+from tokengym.collectors import CollectMode, TokenCollector
+from tokengym.collectors.policies import SamplingConfig
 from tokengym.llm_envs import PromptSource, keys
 
 

@@ -3,7 +3,8 @@ import functools
 import pytest
 import torch
 
-from tokengym.collectors import SamplingConfig, TokenCollector
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import SamplingConfig
 from tokengym.llm_envs import keys
 
 EOS_IDS = list(range(1, 512, 7))  # many end ids, so trajectories stop at different steps

@@ -11,7 +11,8 @@ from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.llm import GRPOLoss
 from torchrl.record.loggers import CSVLogger
 
-from tokengym.collectors import PaddedSequenceActor, SequenceActor, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import PaddedSequenceActor, SequenceActor, TransformersPolicy
 from tokengym.llm_envs import PromptSource, TokenEnv, keys
 from tokengym.llm_envs.tasks import arithmetic_prompts, arithmetic_reward
 from tokengym.transforms import GroupAdvantage, decode, to_packed, to_padded

@@ -7,7 +7,8 @@ import time
 import torch
 from torchrl.objectives import ClipPPOLoss
 
-from tokengym.collectors import SamplingConfig, SequenceActor, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import SamplingConfig, SequenceActor, TransformersPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.llm_envs.tasks import arithmetic_prompts
 from tokengym.testing import tiny_model

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from tokengym.collectors import TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import TransformersPolicy
 from tokengym.collectors.policies.sequence_actor import SequenceActor
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
@@ -69,7 +70,7 @@ def test_math_task_with_real_policy(tokenizer, model):
 
 def test_wave_source_equals_stepping_across_turns(tokenizer):
     """Waves continue each slot's full history turn by turn: greedy waves == greedy stepping, every key."""
-    from tokengym.collectors import SamplingConfig
+    from tokengym.collectors.policies import SamplingConfig
 
     model = tiny_model(tokenizer)
     eos = list(range(0, len(tokenizer), 6))

@@ -179,7 +179,8 @@ def test_tokenizer_is_required(tok):
 
 def _overlong_run(tokenizer, model, policy_kind):
     """A 100-prompt list with one over-long prompt (index 37), iterated twice through the prompts."""
-    from tokengym.collectors import TokenCollector, TransformersPolicy
+    from tokengym.collectors import TokenCollector
+    from tokengym.collectors.policies import TransformersPolicy
 
     prompts = [f"{i % 10}+{i // 10}=" for i in range(100)]
     prompts[37] = "1+" * 40 + "1="  # 82 tokens, max_length is 32

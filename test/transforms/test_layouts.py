@@ -66,7 +66,8 @@ def test_bad_input():
 @pytest.fixture(scope="module")
 def kl_batch():
     """A collected TRAJECTORIES batch with per-token reference log-probs (a reference policy stepped alongside)."""
-    from tokengym.collectors import PolicyWithReference, StepwiseReference, TokenCollector, TransformersPolicy
+    from tokengym.collectors import TokenCollector
+    from tokengym.collectors.policies import PolicyWithReference, StepwiseReference, TransformersPolicy
     from tokengym.llm_envs import TokenEnv
     from tokengym.llm_envs.tasks import arithmetic_prompts
     from tokengym.testing import tiny_model, tiny_tokenizer
@@ -86,7 +87,7 @@ def kl_batch():
 def test_grpo_loss_with_kl_to_ref_on_a_collected_batch(kl_batch):
     from torchrl.objectives.llm import GRPOLoss
 
-    from tokengym.collectors import PaddedSequenceActor
+    from tokengym.collectors.policies import PaddedSequenceActor
     from tokengym.transforms import step_log_probs
 
     model, _, tok, batch = kl_batch

@@ -2,7 +2,7 @@
 
 import torch
 
-from tokengym.collectors import SlotKVCache
+from tokengym.collectors.policies import SlotKVCache
 
 L = 48  # the env's buffer length in these tests
 

@@ -6,15 +6,18 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tokengym.collectors import (
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import (
     PolicyWithReference,
+    StepPolicy,
     StepwiseReference,
-    TokenCollector,
     TokenPolicy,
+    WavePolicy,
+    check_fits_env,
     check_policy,
     is_token_policy,
+    supports_cache_state,
 )
-from tokengym.collectors.policies import StepPolicy, WavePolicy, check_fits_env, supports_cache_state
 from tokengym.collectors.policies.protocol import FunctionPolicy, weights_of
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.llm_envs.waves import WaveResult
@@ -297,7 +300,7 @@ def test_an_old_checkpoint_and_a_policy_written_before_the_rename_still_load(mak
 
 
 def test_one_fits_check_for_every_backend(tokenizer, model):
-    from tokengym.collectors import SamplingConfig
+    from tokengym.collectors.policies import SamplingConfig
 
     env = TokenEnv(["hi"], tokenizer, max_length=64, model_config=model.config)
     fits = dict(vocab_size=512, positions=64, length_fix="x")

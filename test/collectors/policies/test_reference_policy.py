@@ -4,7 +4,8 @@ import pytest
 import torch
 from torchrl.envs import TransformedEnv
 
-from tokengym.collectors import StepwiseReference, TokenCollector
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import StepwiseReference
 from tokengym.llm_envs import keys
 from tokengym.testing import tiny_model
 from tokengym.transforms import KLRewardTransform, step_log_probs

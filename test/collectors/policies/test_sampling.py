@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tokengym.collectors import SamplingConfig, sample_tokens
+from tokengym.collectors.policies import SamplingConfig, sample_tokens
 
 
 def _gen(seed=0):

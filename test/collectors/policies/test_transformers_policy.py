@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tokengym.collectors import SamplingConfig, TransformersPolicy
+from tokengym.collectors.policies import SamplingConfig, TransformersPolicy
 from tokengym.llm_envs import TokenEnv
 from tokengym.testing import tiny_model
 

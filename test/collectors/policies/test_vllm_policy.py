@@ -11,7 +11,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tokengym.collectors import SamplingConfig, TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import SamplingConfig, TransformersPolicy
 from tokengym.collectors.policies.vllm_policy import VLLMPolicy
 from tokengym.llm_envs import MultiTurnTokenEnv, PromptTable, TokenEnv, keys
 from tokengym.llm_envs.turns import Turn
@@ -348,7 +349,7 @@ def test_close_shuts_down_only_an_owned_engine(qwen2):
 
 
 def test_protocol(qwen2):
-    from tokengym.collectors import check_policy, is_token_policy, supports_steps, supports_waves
+    from tokengym.collectors.policies import check_policy, is_token_policy, supports_steps, supports_waves
 
     policy = qwen2.policy(qwen2.env())
     check_policy(policy)

@@ -16,23 +16,19 @@ import pytest
 import ray
 import torch
 
-from tokengym.collectors import (
-    AsyncCollector,
-    CollectorOptions,
+from tokengym.collectors import AsyncCollector, CollectorOptions, RayConfig, RayTokenCollector, TokenCollector
+from tokengym.collectors.policies import (
     LocalVLLMServer,
-    RayConfig,
-    RayTokenCollector,
     SamplingConfig,
     ServerOptions,
-    TokenCollector,
     TransformersPolicy,
     VLLMPolicy,
     VLLMServerPolicy,
 )
-from tokengym.collectors.policies import NoServerError
 from tokengym.collectors.policies._server_checks import check_server
 from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies.vllm_server import free_port
+from tokengym.errors import NoServerError
 from tokengym.llm_envs import MultiTurnTokenEnv, TokenEnv, keys
 from tokengym.llm_envs.turns import Turn
 from tokengym.testing import tiny_tokenizer

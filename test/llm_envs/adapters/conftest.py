@@ -12,7 +12,7 @@ from transformers import Qwen2ForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: the tests import adapter_helpers
 from adapter_helpers import Server  # noqa: E402
 
-from tokengym.collectors import TransformersPolicy
+from tokengym.collectors.policies import TransformersPolicy
 from tokengym.testing import tiny_model, tiny_tokenizer
 
 ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 25, "max_model_len": 2048}

@@ -6,7 +6,8 @@ import torch
 from adapter_helpers import SOURCES, Server, collect, gym_episode, turn_texts
 from openenv_server import score
 
-from tokengym.collectors import TokenCollector, TransformersPolicy
+from tokengym.collectors import TokenCollector
+from tokengym.collectors.policies import TransformersPolicy
 from tokengym.errors import EpisodeError, PromptError
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.adapters import make_openenv_env
