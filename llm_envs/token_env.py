@@ -361,14 +361,17 @@ class TokenEnv(EnvBase):
 
     def refill(self, slots: Iterable[int]) -> TensorDictBase:
         """Load the next prompts into ``slots`` (a partial reset) and return the observation of every slot."""
-        slots = list(slots)
+        slots, handler = list(slots), self.turns
+        has_hooks = type(handler).release is not TurnHandler.release or type(handler).refilled is not TurnHandler.refilled
+        if not has_hooks:  # the usual handler: no prompt lists to build on a refill (the step path's hot spot)
+            return self._refill(slots)
         held = [p for b in slots if (p := self._slots.prompts[b]) is not None]
         if held:
-            self.turns.release(held)
+            handler.release(held)
         try:
             return self._refill(slots)
         finally:
-            self.turns.refilled([p for p in self._slots.prompts if p is not None])
+            handler.refilled([p for p in self._slots.prompts if p is not None])
 
     def _refill(self, slots: list[int]) -> TensorDictBase:
         self._slots.copy_on_write()
