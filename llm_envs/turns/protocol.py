@@ -22,6 +22,12 @@ drop what they held (refill, reset), :meth:`TurnHandler.refilled` after a refill
 before slots start their trajectories over, :meth:`TurnHandler.close` with the env. A handler that
 serves its own prompts (an external episode's first observation) gives them through the env's prompt
 source, as :mod:`tokengym.llm_envs.adapters` does.
+
+For agent programs (a loop of OpenAI-style chat calls), a handler can render the next request's messages
+itself against the slot's tokens (:meth:`FinishedTurns.history`) and answer with token ids as feedback.
+Not in the protocol yet, and the next to add for them: a turn whose answer is not ready when the turn ends
+(the slot waits, neither live nor done, until the program's next call) and an episode that ends one
+trajectory and goes on in a new one (a program that rewrites its history).
 """
 
 from __future__ import annotations
