@@ -12,6 +12,7 @@ from torchrl.envs import EnvBase
 from tokengym.llm_envs import keys
 from tokengym.llm_envs._decode import ResponseDecoder
 from tokengym.llm_envs._env_checks import check_int, check_tokenizer, context_limit, eos_ids
+from tokengym.llm_envs._loading import PromptLoader
 from tokengym.llm_envs._slots import Slots
 from tokengym.llm_envs._stop import StopChecker
 from tokengym.llm_envs._turn_ends import TurnEnds
@@ -160,6 +161,7 @@ class TokenEnv(EnvBase):
 
     def _alloc(self) -> None:
         self._slots = Slots(self.batch_size[0], self.max_length)
+        self._loader = PromptLoader(self._slots, max_length=self.max_length, vocab_size=self.vocab_size)
         self._turn_ends = TurnEnds(self._slots, self._renderer, max_turns=self.max_turns, max_length=self.max_length,
                                    vocab_size=self.vocab_size, decode=self.decode_responses)  # fmt: skip
         self._eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)
@@ -302,56 +304,6 @@ class TokenEnv(EnvBase):
         self.source.load_state_dict(state["source"])
 
     # -- reset --
-    def _next_prompt(self) -> Prompt | None:
-        try:
-            return self.source.next()
-        except PromptError:
-            raise
-        except (ValueError, KeyError, TypeError, OverflowError) as err:
-            raise PromptError(f"{type(err).__name__}: {err}") from err
-
-    def _check_prompt_length(self, prompt: Prompt) -> None:
-        n = prompt.ids.numel()
-        if n >= self.max_length:
-            raise PromptError(
-                f"prompt {prompt.index} {prompt.text[:60]!r} has {n} tokens but max_length is {self.max_length} "
-                "(prompt + response); shorten the prompt or raise max_length"
-            )
-
-    def _check_prompt_ids(self, prompt: Prompt) -> None:
-        lo, hi = (int(x) for x in torch.aminmax(prompt.ids))
-        if lo < 0 or hi >= self.vocab_size:
-            raise PromptError(
-                f"prompt {prompt.index} {prompt.text[:60]!r} holds token id {lo if lo < 0 else hi}, outside the "
-                f"vocabulary [0, {self.vocab_size}); encode it with the env's tokenizer (or pass model_config)"
-            )
-
-    def _load_prompts(self, loaded: list[tuple[int, Prompt]]) -> list[tuple[int, PromptError]]:
-        """Load several slots' prompts with a few vectorized writes (not a dozen scalar writes per slot);
-        returns the (slot, error) of prompts whose ids are outside the vocabulary (those slots are not loaded)."""
-        if not loaded:
-            return []
-        lo, hi = (int(x) for x in torch.aminmax(torch.cat([p.ids for _, p in loaded])))
-        if lo < 0 or hi >= self.vocab_size:  # rare: find the prompts at fault, load the others one by one
-            failed = []
-            for b, prompt in loaded:
-                try:
-                    self._load_prompt(b, prompt)
-                except PromptError as err:
-                    failed.append((b, err))
-            return failed
-        self._slots.load(loaded)
-        return []
-
-    def _load_prompt(self, b: int, prompt: Prompt | None) -> None:
-        """Load one slot (``None``: the source is exhausted and the slot idles with an empty sequence)."""
-        if prompt is None:
-            self._slots.idle(b, is_done=False)
-            return
-        self._check_prompt_length(prompt)
-        self._check_prompt_ids(prompt)
-        self._slots.load([(b, prompt)])
-
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
         if tensordict is not None and keys.RESET in tensordict.keys():
             slots = tensordict.get(keys.RESET).reshape(-1).nonzero().squeeze(-1).tolist()
@@ -375,22 +327,7 @@ class TokenEnv(EnvBase):
 
     def _refill(self, slots: list[int]) -> TensorDictBase:
         self._slots.copy_on_write()
-        failed: list[tuple[int, PromptError]] = []
-        loaded: list[tuple[int, Prompt]] = []
-        for b in slots:
-            try:
-                prompt = self._next_prompt()
-                if prompt is None:
-                    self._slots.idle(b, is_done=False)
-                else:
-                    self._check_prompt_length(prompt)
-                    loaded.append((b, prompt))
-            except PromptError as err:  # the slot idles, done: the next refill gives it the next prompt
-                self._slots.idle(b, is_done=True)
-                failed.append((b, err))
-        for b, err in self._load_prompts(loaded):
-            self._slots.idle(b, is_done=True)
-            failed.append((b, err))
+        failed = self._loader.fill(self.source, slots)
         self._slots.is_reset = True
         obs = self._reset_observation()
         if failed:
@@ -410,7 +347,7 @@ class TokenEnv(EnvBase):
         self._slots.copy_on_write()
         for b in slots:
             self._slots.done[b] = False
-            self._load_prompt(b, self._slots.prompts[b])
+            self._loader.load_one(b, self._slots.prompts[b])
         return self._reset_observation()
 
     def _reset_observation(self) -> TensorDictBase:

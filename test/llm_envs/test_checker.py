@@ -138,13 +138,15 @@ def test_broken_env_is_named(tokenizer, corrupt, match):
 def test_reused_traj_id_is_named(tokenizer):
     env = make(tokenizer)
 
-    def load(self, loaded):
-        out = TokenEnv._load_prompts(self, loaded)
+    original = env._loader.load
+
+    def load(loaded):
+        out = original(loaded)
         for b, _ in loaded:
-            self._slots.state[keys.TRAJ_ID][b] = 0  # every trajectory gets id 0
+            env._slots.state[keys.TRAJ_ID][b] = 0  # every trajectory gets id 0
         return out
 
-    env.__class__ = type("SameTrajIdEnv", (TokenEnv,), {"_load_prompts": load})
+    env._loader.load = load
     with pytest.raises(
         ContractError, match="traj ids unique per new trajectory failed at step -1, slot 1: traj_id 0"
     ):
@@ -154,13 +156,15 @@ def test_reused_traj_id_is_named(tokenizer):
 def test_stale_response_len_after_reset_is_named(tokenizer):
     env = make(tokenizer)
 
-    def load(self, loaded):
-        out = TokenEnv._load_prompts(self, loaded)
+    original = env._loader.load
+
+    def load(loaded):
+        out = original(loaded)
         for b, _ in loaded:
-            self._slots.state[keys.RESPONSE_LEN][b] = 2
+            env._slots.state[keys.RESPONSE_LEN][b] = 2
         return out
 
-    env.__class__ = type("StaleEnv", (TokenEnv,), {"_load_prompts": load})
+    env._loader.load = load
     with pytest.raises(
         ContractError, match="a new trajectory starts empty failed at step -1, slot 0: response_len 2"
     ):
