@@ -11,13 +11,13 @@ from tensordict import TensorDictBase
 
 from tokengym.collectors._checkpoint import collector_state, load_collector_state
 from tokengym.collectors.core import (
-    BatchIterator,
     CollectMode,
     CollectorBase,
     CollectorOptions,
     CollectSpec,
     InFlight,
 )
+from tokengym.collectors.iteration import BatchIterator
 from tokengym.collectors.policies.protocol import as_token_policy, check_policy_env
 from tokengym.collectors.recorders import Step, StepRecorder, TrajectoryRecorder
 from tokengym.collectors.sources import SourceKind, make_source
