@@ -132,15 +132,19 @@ class TrajectoryRecorder:
             keep[rows] = True
             sel &= keep[:, None]
             slots, cols = sel.nonzero(as_tuple=True)
-            # gather the live cells per key, then pack those: the interleaving copy runs over them only
-            packed = self._packer.pack(Step({name: v[slots, cols] for name, v in chunk.items()}))
+            # gather the live cells per key (one flat index, index_select: cheaper than (row, col) indexing), then
+            # pack those: the interleaving copy runs over them only
+            cell = slots * sel.shape[1] + cols
+            packed = self._packer.pack(Step({name: v.reshape(-1, *v.shape[2:]).index_select(0, cell)
+                                             for name, v in chunk.items()}))  # fmt: skip
             if self.store is None:
                 self._alloc(packed, sel.shape[0])
-            pos = chunk[F_RESP][slots, cols]
-            dst = self.row_of_slot[slots]
+            pos = chunk[F_RESP].reshape(-1).index_select(0, cell)
+            dst = self.row_of_slot[slots] * self.max_steps + pos  # flat store cells: one index_copy_ per dtype
             for dt, v in packed.items():
-                self.store.tensors[dt][dst, pos] = v
-            done = chunk[F_DONE].reshape(sel.shape)[slots, cols]
+                store = self.store.tensors[dt]
+                store.view(-1, store.shape[-1]).index_copy_(0, dst, v)
+            done = chunk[F_DONE].reshape(-1).index_select(0, cell)
         if bool(done.any()):
             self._queue_finished(slots[done], pos[done] + 1)
 
@@ -236,18 +240,21 @@ class TrajectoryRecorder:
                 flat = {name: v[:, :width].index_select(0, index) for name, v in seg.tensors.items()}
             pieces.append((where, flat))
         out = {}
+        rows_of = [torch.tensor(where, dtype=torch.int64) for where, _ in pieces]  # once, not per key
         for name, first in pieces[0][1].items():
             if len(pieces) == 1 and first.shape[1] == width:
                 out[name] = first
                 continue
             is_covered = all(flat[name].shape[1] == width for _, flat in pieces)  # every cell is written below
             v = (first.new_empty if is_covered else first.new_zeros)(len(take), width, *first.shape[2:])
-            for where, flat in pieces:
+            for rows, (_, flat) in zip(rows_of, pieces, strict=True):
                 src = flat[name]
                 if len(pieces) == 1:
                     v[:, : src.shape[1]] = src
+                elif src.shape[1] == width:
+                    v.index_copy_(0, rows, src)  # whole rows: cheaper than (rows, columns) indexing
                 else:
-                    v[torch.tensor(where), : src.shape[1]] = src
+                    v[rows, : src.shape[1]] = src
             out[name] = v
         return out
 
