@@ -70,3 +70,13 @@ def eos_ids(tokenizer, model_config, explicit, vocab_size: int) -> set[int]:
     if bad:
         raise ValueError(f"eos token ids {bad} are outside the vocabulary [0, {vocab_size})")
     return ids
+
+
+_NEEDS_TOKENIZER = ("{builder} needs tokenizer=: the tokenizer of the model you train "
+                    "(AutoTokenizer.from_pretrained(model_dir); tokengym.testing.tiny_tokenizer() in tests)")
+
+
+def require_tokenizer(builder: str, tokenizer) -> None:
+    """Raise ``TypeError`` naming ``builder`` and the fix when ``tokenizer`` is ``None`` (no toy default)."""
+    if tokenizer is None:
+        raise TypeError(_NEEDS_TOKENIZER.format(builder=builder))

@@ -90,7 +90,7 @@ class Slots:
 
     def copy_on_write(self) -> None:
         """Replace the state tensors by copies before writing slots (earlier observations keep theirs)."""
-        self.deadline = None  # slots change: the step's deadlines are recomputed
+        self.deadline, self.all_active = None, False  # slots change: recomputed (set_deadlines) before a step
         self.state = {k: v.clone() for k, v in self.state.items()}
         self.done = self.done.clone()
 

@@ -26,9 +26,9 @@ import torch
 from gymnasium import spaces
 
 from tokengym.llm_envs import keys
+from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.errors import ResetNeeded
 from tokengym.llm_envs.tasks import make_arithmetic_env, make_countdown_env, make_reversal_env
-from tokengym.llm_envs.tasks._common import require_tokenizer
 from tokengym.llm_envs.token_env import TokenEnv
 
 __all__ = ["GymTokenEnv", "TASK_ENV_IDS", "register_envs"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import logging
 import math
 import re
 import threading
@@ -21,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tokengym.llm_envs.reward_errors import RewardErrors
 from tokengym.llm_envs.trl_rewards import as_reward_fn
 
 __all__ = [
@@ -40,38 +40,12 @@ _INT = re.compile(r"[-+]?\d+")
 _ONLY_INT = re.compile(r"\s*\$?\s*(?:\\boxed\{\s*([-+]?\d+)\s*\}|([-+]?\d+))\s*\$?\s*\.?\s*")
 _DIGIT = re.compile(r"\d")
 _VERIFIERS = ("math_verify", "exact")
-REWARD_ERRORS = "reward_errors"  # the count of model answers a verifier raised on (they score 0)
-_log = logging.getLogger("tokengym.rewards")
 
 
 def _check_number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise TypeError(f"{name} must be a finite number, got {value!r}")
     return float(value)
-
-
-class RewardErrors:
-    """Counts model answers a verifier raised on (they score 0) and logs the first one per name.
-
-    A model's output is never bad input (DESIGN.md "Bad input"): :attr:`counts` (``{"reward_errors": n}``)
-    reaches the collector's metrics through ``env.prompt_counts``.
-    """
-
-    def __init__(self) -> None:
-        self.counts = {REWARD_ERRORS: 0}
-        self.warned: set[str] = set()
-
-    def record(self, name: str, answer: str, err: Exception) -> None:
-        """Count ``answer``, which made verifier ``name`` raise ``err``; warn the first time for ``name``."""
-        self.counts[REWARD_ERRORS] += 1
-        if name in self.warned:
-            return
-        self.warned.add(name)
-        _log.warning(
-            "%s: the verifier raised %s: %.200s on the answer %.200r; such answers score 0 and are counted in "
-            "the metrics as %r (only the first of %s is logged)",
-            name, type(err).__name__, err, answer, REWARD_ERRORS, name,
-        )  # fmt: skip
 
 
 def _int_text(text: str) -> str:

@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv
 from tokengym.llm_envs.adapters._ws import Session, fetch_json, parse_step, session_urls
-from tokengym.llm_envs.tasks._common import require_tokenizer
 from tokengym.llm_envs.turns.protocol import Turn
 
 __all__ = ["OpenEnvBackend", "make_openenv_env", "render_observation"]

@@ -23,10 +23,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.adapters._lazy import require
 from tokengym.llm_envs.gym_adapter import GymTokenEnv
-from tokengym.llm_envs.rewards import RewardErrors
-from tokengym.llm_envs.tasks._common import require_tokenizer
+from tokengym.llm_envs.reward_errors import RewardErrors
 from tokengym.llm_envs.token_env import TokenEnv
 
 __all__ = ["ReasoningGymReward", "ReasoningGymSpec", "make_reasoning_gym_env", "reasoning_gym_prompts", "gym_env"]

@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch  # noqa: F401  (the example uses it)
 
+from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv
-from tokengym.llm_envs.tasks._common import require_tokenizer
 from tokengym.llm_envs.turns.protocol import Turn
 
 __all__ = ["TextEnvBackend", "make_text_env"]

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import functools
 
+from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv
 from tokengym.llm_envs.adapters._lazy import require
 from tokengym.llm_envs.adapters.text_env import make_text_env
-from tokengym.llm_envs.tasks._common import require_tokenizer
 
 __all__ = ["TextArenaEnv", "make_textarena_env", "textarena_factory"]
 

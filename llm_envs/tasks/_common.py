@@ -1,17 +1,8 @@
-"""Helpers shared by the built-in tasks (and the adapters: require_tokenizer): argument checks, the env constructor."""
+"""Helpers shared by the built-in tasks: argument checks, the env constructor."""
 
 from __future__ import annotations
 
 from tokengym.llm_envs.token_env import RewardFn, TokenEnv
-
-_NEEDS_TOKENIZER = ("{builder} needs tokenizer=: the tokenizer of the model you train "
-                    "(AutoTokenizer.from_pretrained(model_dir); tokengym.testing.tiny_tokenizer() in tests)")
-
-
-def require_tokenizer(builder: str, tokenizer) -> None:
-    """Raise ``TypeError`` naming ``builder`` and the fix when ``tokenizer`` is ``None`` (no toy default)."""
-    if tokenizer is None:
-        raise TypeError(_NEEDS_TOKENIZER.format(builder=builder))
 
 
 def check_positive_int(name: str, value, *, minimum: int = 1) -> None:

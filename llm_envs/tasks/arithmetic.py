@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import random
 
+from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.rewards import MathAnswerReward
-from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env, require_tokenizer
+from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env
 from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 
 __all__ = ["arithmetic_prompts", "arithmetic_reward", "make_arithmetic_env"]

@@ -13,8 +13,9 @@ from fractions import Fraction
 
 import torch
 
+from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.rewards import last_boxed
-from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env, require_tokenizer
+from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env
 from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 
 __all__ = ["CountdownReward", "countdown_prompts", "evaluate_expression", "make_countdown_env"]

@@ -15,9 +15,10 @@ Tool output is sandboxed (bubblewrap where it works) and its special tokens are 
 
 from __future__ import annotations
 
+from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
 from tokengym.llm_envs.rewards import extract_answer, normalize_answer
-from tokengym.llm_envs.tasks._common import check_positive_int, require_tokenizer
+from tokengym.llm_envs.tasks._common import check_positive_int
 from tokengym.llm_envs.tasks.arithmetic import arithmetic_prompts
 
 __all__ = ["MultiTurnMathFeedback", "make_multi_turn_math_env", "WRONG_FEEDBACK", "TOOL_HINT"]

@@ -7,7 +7,8 @@ import string
 
 import torch
 
-from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env, require_tokenizer
+from tokengym.llm_envs._env_checks import require_tokenizer
+from tokengym.llm_envs.tasks._common import check_positive_int, make_task_env
 from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 
 __all__ = ["ReversalReward", "make_reversal_env", "reversal_prompts"]
