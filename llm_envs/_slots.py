@@ -16,10 +16,17 @@ _KEYS = (keys.TOKEN, keys.SEQ_LEN, keys.PROMPT_LEN, keys.RESPONSE_LEN, keys.TURN
          keys.SAMPLE_ID, keys.ACTIVE)  # fmt: skip
 
 
-def write_prompts(tokens: torch.Tensor, state: dict, loaded: list[tuple[int, Prompt]], first_traj: int) -> None:
+_INT_KEYS = _KEYS[:-1]  # every key but ``active`` (bool): one (K, B) int64 table, its rows the state's tensors
+_SMALL = 8  # at most this many prompts: one slice write each (cheaper than building row/column index tensors)
+
+
+def write_prompts(tokens: torch.Tensor, state: dict, loaded: list[tuple[int, Prompt]], first_traj: int,
+                  table: torch.Tensor | None = None) -> None:  # fmt: skip
     """Put ``loaded`` (slot, prompt) pairs into ``tokens`` (B, L) and ``state`` ((B,) tensors by key), with
     trajectory ids ``first_traj, first_traj + 1, ...``: a few vectorized writes, not a dozen per slot.
 
+    ``table``: the (K, B) int64 tensor whose rows are ``state``'s integer tensors (see :meth:`Slots.copy_on_write`):
+    then every slot's integer state is written with one column write.
     The prompts must fit and hold in-vocabulary ids (the env checks both first).
 
     Example:
@@ -30,30 +37,34 @@ def write_prompts(tokens: torch.Tensor, state: dict, loaded: list[tuple[int, Pro
         >>> tokens[1].tolist(), state[keys.SEQ_LEN].tolist(), state[keys.TRAJ_ID].tolist(), state[keys.TOKEN].tolist()
         ([5, 6, 0, 0], [0, 2], [0, 7], [0, 6])
     """
-    if len(loaded) == 1:  # one slot (a step source's usual refill): scalar writes, no index tensors
-        b, prompt = loaded[0]
+    columns = []  # per prompt, its integer state in _INT_KEYS order
+    for i, (b, prompt) in enumerate(loaded):
         n = prompt.ids.numel()
-        tokens[b, :n] = prompt.ids
-        for key, value in ((keys.TOKEN, prompt.ids[n - 1]), (keys.SEQ_LEN, n), (keys.PROMPT_LEN, n),
-                           (keys.RESPONSE_LEN, 0), (keys.TURN, 0), (keys.TRAJ_ID, first_traj),
-                           (keys.GROUP_ID, prompt.group_id), (keys.SAMPLE_ID, prompt.sample_id), (keys.ACTIVE, True)):  # fmt: skip
-            state[key][b] = value
+        if len(loaded) <= _SMALL:
+            tokens[b, :n] = prompt.ids
+        columns.append((int(prompt.ids[n - 1]), n, n, 0, 0, first_traj + i, prompt.group_id, prompt.sample_id))
+    if len(loaded) > _SMALL:
+        ids = torch.cat([p.ids for _, p in loaded])
+        lens = torch.tensor([c[1] for c in columns])
+        starts = lens.cumsum(0) - lens
+        rows = torch.repeat_interleave(torch.tensor([b for b, _ in loaded]), lens)
+        tokens[rows, torch.arange(len(ids)) - torch.repeat_interleave(starts, lens)] = ids
+    if len(loaded) == 1:
+        b = loaded[0][0]
+        if table is not None:
+            table[:, b] = torch.tensor(columns[0])
+        else:
+            for key, value in zip(_INT_KEYS, columns[0], strict=True):
+                state[key][b] = value
+        state[keys.ACTIVE][b] = True
         return
-    ids = torch.cat([p.ids for _, p in loaded])
     slots = torch.tensor([b for b, _ in loaded])
-    lens = torch.tensor([p.ids.numel() for _, p in loaded])
-    ends = lens.cumsum(0)
-    rows = torch.repeat_interleave(slots, lens)
-    cols = torch.arange(len(ids)) - torch.repeat_interleave(ends - lens, lens)
-    tokens[rows, cols] = ids
-    state[keys.TOKEN][slots] = ids[ends - 1]
-    state[keys.SEQ_LEN][slots] = lens
-    state[keys.PROMPT_LEN][slots] = lens
-    state[keys.RESPONSE_LEN][slots] = 0
-    state[keys.TURN][slots] = 0
-    state[keys.TRAJ_ID][slots] = torch.arange(first_traj, first_traj + len(loaded))
-    state[keys.GROUP_ID][slots] = torch.tensor([p.group_id for _, p in loaded])
-    state[keys.SAMPLE_ID][slots] = torch.tensor([p.sample_id for _, p in loaded])
+    values = torch.tensor(columns).T
+    if table is not None:
+        table[:, slots] = values
+    else:
+        for key, row in zip(_INT_KEYS, values, strict=True):
+            state[key][slots] = row
     state[keys.ACTIVE][slots] = True
 
 
@@ -71,7 +82,9 @@ class Slots:
         self.tokens = torch.zeros(B, max_length, dtype=torch.int64)  # (B, L) the sequences, written once
         self.flat = self.tokens.view(-1)  # the same buffer, indexed by row * L + position (one index, no pairs)
         self.row_start = torch.arange(B) * max_length
-        self.state = {k: torch.zeros(B, dtype=torch.bool if k == keys.ACTIVE else torch.int64) for k in _KEYS}
+        self.state: dict[str, torch.Tensor] = {}
+        self.table = torch.zeros(len(_INT_KEYS), B, dtype=torch.int64)  # (K, B): the integer state, a tensor per row
+        self._use_table(self.table, torch.zeros(B, dtype=torch.bool))
         self.done = torch.zeros(B, dtype=torch.bool)
         self.prompts: list[Prompt | None] = [None] * B
         self.is_reset = False
@@ -91,8 +104,16 @@ class Slots:
     def copy_on_write(self) -> None:
         """Replace the state tensors by copies before writing slots (earlier observations keep theirs)."""
         self.deadline, self.all_active = None, False  # slots change: recomputed (set_deadlines) before a step
-        self.state = {k: v.clone() for k, v in self.state.items()}
+        s = self.state
+        self._use_table(torch.stack([s[k] for k in _INT_KEYS]), s[keys.ACTIVE].clone())  # two copies, not nine
         self.done = self.done.clone()
+
+    def _use_table(self, table: torch.Tensor, active: torch.Tensor) -> None:
+        """Make ``table``'s rows (and ``active``) the state's tensors: writes to ``table`` are writes to the state,
+        until a step replaces a row's tensor (then the next :meth:`copy_on_write` stacks a new table)."""
+        self.table = table
+        self.state = dict(zip(_INT_KEYS, table.unbind(0), strict=True))
+        self.state[keys.ACTIVE] = active
 
     def observation(self, done, terminated, truncated, reward=None) -> TensorDict:
         """The state as a TensorDict, with the flags (and reward) given: the state tensors are shared."""
@@ -104,11 +125,17 @@ class Slots:
 
     def load(self, loaded: list[tuple[int, Prompt]]) -> None:
         """Put prompts into slots (one write per key), under the next trajectory ids; the slots are not done."""
-        write_prompts(self.tokens, self.state, loaded, self.next_traj)
+        write_prompts(self.tokens, self.state, loaded, self.next_traj, table=self._live_table())
         for b, prompt in loaded:
             self.prompts[b] = prompt
             self.done[b] = False
         self.next_traj += len(loaded)
+
+    def _live_table(self) -> torch.Tensor | None:
+        """:attr:`table` while its rows are still the state's tensors (right after :meth:`copy_on_write`), else None."""
+        base, row, s = self.table.data_ptr(), self.table.stride(0) * self.table.element_size(), self.state
+        is_live = all(s[key].data_ptr() == base + i * row for i, key in enumerate(_INT_KEYS))
+        return self.table if is_live else None
 
     def idle(self, b: int, *, is_done: bool) -> None:
         """Empty slot ``b``: no prompt (the source is exhausted, or its prompt failed and ``is_done``)."""
@@ -196,7 +223,8 @@ class Slots:
                 "resume with an env of the same batch_size"
             )
         self.tokens.copy_(state["tokens"])
-        self.state = {k: v.clone() for k, v in state["state"].items()}
+        saved_state = state["state"]
+        self._use_table(torch.stack([saved_state[k] for k in _INT_KEYS]), saved_state[keys.ACTIVE].clone())
         self.deadline = None
         self.done = state["done"].clone()
         self.any_done = bool(self.done.any())

@@ -49,6 +49,8 @@ class TurnEnds:
         reward[finished, 0] = rewards
         if self.renderer is None:
             return TurnEnd(terminated=terminated, truncated=truncated, reward=reward)
+        if results is None:  # rewards alone: every episode ends
+            results = [Turn(r) for r in rewards.tolist()]
         appended = self.feedback(turns, results, new_len, who=handler.name)
         if appended:  # continuing slots: not done, their feedback written after the model's tokens
             terminated, truncated = terminated.clone(), truncated.clone()
@@ -61,12 +63,12 @@ class TurnEnds:
     def finished_turns(self, slots: list[int], limited: torch.Tensor, new_len: torch.Tensor) -> FinishedTurns:
         """The handler's view of the turns of ``slots`` ending at lengths ``new_len``."""
         s, tokens = self.slots.state, self.slots.tokens
-        starts, ends = s[keys.PROMPT_LEN].tolist(), new_len.tolist()  # two reads, not two per slot
-        index = torch.tensor(slots)
-        trajs = s[keys.TRAJ_ID][index].tolist()
+        starts, ends, all_trajs = s[keys.PROMPT_LEN].tolist(), new_len.tolist(), s[keys.TRAJ_ID].tolist()  # three reads
+        trajs = [all_trajs[b] for b in slots]
         if self.renderer is None:
             turns, final = [0] * len(slots), [True] * len(slots)
         else:
+            index = torch.tensor(slots)
             turns, is_limited = s[keys.TURN][index].tolist(), limited[index].tolist()
             final = [lim or t + 1 >= self.max_turns for lim, t in zip(is_limited, turns, strict=True)]
         return FinishedTurns(slots, turns, [self.slots.prompts[b] for b in slots], [tokens[b, starts[b] : ends[b]] for b in slots],

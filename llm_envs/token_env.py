@@ -423,7 +423,7 @@ class TokenEnv(EnvBase):
             rt.set_deadlines(self.max_new_tokens, self.max_length, self.max_turn_tokens)
         seq_len = s[keys.SEQ_LEN]
         pos = self._slots.row_start + seq_len
-        previous = self._slots.flat[pos]  # kept for a rollback
+        previous = self._slots.flat.index_select(0, pos)  # kept for a rollback
         self._slots.flat.index_copy_(0, pos, action if rt.all_active else torch.where(active, action, previous))
         if rt.all_active:
             new_len, resp_len = seq_len + 1, s[keys.RESPONSE_LEN] + 1

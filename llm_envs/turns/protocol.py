@@ -139,8 +139,9 @@ class TurnHandler:
 
     name = "the turn handler"  # what error messages call the handler's answers
 
-    def end_turns(self, turns: FinishedTurns) -> Sequence[Turn]:
-        """One :class:`Turn` per finished turn, in the order of ``turns.slots``.
+    def end_turns(self, turns: FinishedTurns) -> Sequence[Turn] | torch.Tensor:
+        """One :class:`Turn` per finished turn, in the order of ``turns.slots``; or, when every episode ends
+        with its reward alone, the rewards as one (n,) float tensor (no ``Turn`` objects built per step).
 
         Raising ends nothing: the env rolls the step back and raises a ``RewardFunctionError`` naming the
         slots; a model's output is never a reason to raise (score it 0).
@@ -167,8 +168,15 @@ class TurnHandler:
 def check_turns(results, turns: FinishedTurns, *, who: str = "the turn handler") -> tuple[torch.Tensor, list[Turn]]:
     """Check a handler's answer: one :class:`Turn` with a finite reward per finished turn.
 
-    Returns ``(rewards (n,) float32, turns as a list)``; raises :class:`RewardFunctionError` naming the slot.
+    Returns ``(rewards (n,) float32, turns as a list)`` (``None`` for a tensor of rewards: every episode ends);
+    raises :class:`RewardFunctionError` naming the slot.
     """
+    if isinstance(results, torch.Tensor):
+        if results.shape != (len(turns),) or not results.is_floating_point():
+            raise RewardFunctionError(f"{who} gave a reward tensor of dtype {results.dtype} and shape "
+                                      f"{tuple(results.shape)}; give a ({len(turns)},) float tensor, one per slot "
+                                      f"{turns.slots}")  # fmt: skip
+        return _finite(results.detach().to(torch.float32), turns, who), None
     results = list(results)
     if len(results) != len(turns) or not all(isinstance(r, Turn) for r in results):
         raise RewardFunctionError(
@@ -179,10 +187,14 @@ def check_turns(results, turns: FinishedTurns, *, who: str = "the turn handler")
         rewards = torch.as_tensor([r.reward for r in results], dtype=torch.float32).detach().reshape(-1)
     except (TypeError, ValueError, RuntimeError) as err:
         raise RewardFunctionError(f"{who} gave rewards that are not numbers for slots {turns.slots}: {err}") from err
+    return _finite(rewards, turns, who), results
+
+
+def _finite(rewards: torch.Tensor, turns: FinishedTurns, who: str) -> torch.Tensor:
     if not bool(torch.isfinite(rewards).all()):
         bad = int((~torch.isfinite(rewards)).nonzero()[0])
         raise RewardFunctionError(
             f"{who} gave reward {rewards[bad].item()} for slot {turns.slots[bad]}; rewards must be finite "
             f"({turns.describe(bad)})"
         )
-    return rewards, results
+    return rewards

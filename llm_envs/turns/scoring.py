@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import torch
 
 from tokengym.llm_envs._env_checks import check_rewards
 from tokengym.llm_envs.errors import RewardFunctionError
 from tokengym.llm_envs.trl_rewards import as_reward_fn
-from tokengym.llm_envs.turns.protocol import FinishedTurns, Turn, TurnHandler
+from tokengym.llm_envs.turns.protocol import FinishedTurns, TurnHandler
 
 __all__ = ["RewardTurns"]
 
@@ -27,7 +27,7 @@ class RewardTurns(TurnHandler):
         >>> turns = FinishedTurns([0], [0], [Prompt(torch.tensor([1]), "q", {}, 0, 0, 0)], [torch.tensor([5])], [True],
         ...                       [0], decode=lambda rows: ["42"], history=lambda b: torch.tensor([1, 5]))
         >>> RewardTurns(lambda r, p, m: [float(x == "42") for x in r]).end_turns(turns)
-        [Turn(reward=1.0, feedback=None, role='user', done=None)]
+        tensor([1.])
     """
 
     name = "reward_fn"
@@ -46,10 +46,11 @@ class RewardTurns(TurnHandler):
         fn = self.reward_fn
         return "None" if fn is None else getattr(fn, "__name__", type(fn).__name__)
 
-    def end_turns(self, turns: FinishedTurns) -> Sequence[Turn]:
+    def end_turns(self, turns: FinishedTurns) -> torch.Tensor:
+        """The rewards of the finished turns, one (n,) float tensor (every episode ends)."""
         fn = self.reward_fn
         if fn is None:
-            return [_ZERO] * len(turns)
+            return torch.zeros(len(turns))
         ids = turns.response_ids
         responses = ids if getattr(fn, "takes_token_ids", False) else turns.responses
         prompts = turns.prompts
@@ -63,7 +64,4 @@ class RewardTurns(TurnHandler):
                 f"reward_fn raised {type(err).__name__}: {err} while scoring slots {turns.slots} "
                 f"(first: {turns.describe()}); the env state is unchanged, fix the reward function and step again"
             ) from err
-        return [Turn(v) for v in check_rewards(values, turns.slots, prompts).tolist()]
-
-
-_ZERO = Turn(0.0)
+        return check_rewards(values, turns.slots, prompts)
