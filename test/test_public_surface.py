@@ -19,6 +19,7 @@ PACKAGES = [
     "tokengym.errors",
     "tokengym.testing",
     "tokengym.training",
+    "tokengym.evaluation",
 ]
 
 
