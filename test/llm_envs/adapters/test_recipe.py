@@ -2,9 +2,10 @@
 start and after RL; its flags are checked."""
 
 import pytest
+import torch
 
 from tokengym.__main__ import main as cli
-from tokengym._recipe_reasoning_gym import RecipeConfig, main, split_problems
+from tokengym._recipe_reasoning_gym import RandomReward, RecipeConfig, main, split_problems
 
 
 def test_held_out_problems_are_never_trained_on():
@@ -20,6 +21,25 @@ def test_quick_run_prints_the_three_stages(capsys):
     assert "held-out problems (never trained on): random init" in out and "nan" not in out.lower()
 
 
+def test_seed_table_runs_both_arms_from_one_warm_start(capsys):
+    rows = main(RecipeConfig(iterations=1, trajectories=16, warm_start_steps=3, eval_every=1, warmup_iterations=1,
+                             seeds=2, samples=2, seed=4))  # fmt: skip
+    out = capsys.readouterr().out
+    assert [r["seed"] for r in rows] == [4, 5]
+    for r in rows:
+        assert set(r) >= {"warm", "grpo", "control", "grpo_sampled", "control_sampled"}
+        assert 0.0 <= r["control_sampled"]["pass@2"] <= 1.0
+    assert "| seed | after the warm start | GRPO |" in out and "random-reward control: held-out change mean" in out
+    assert "CPU:" in out and "torch CPU capability" in out
+
+
+def test_random_reward_is_seeded_and_ignores_the_response():
+    a, b = RandomReward(3), RandomReward(3)
+    first = a(["x"] * 64, [""] * 64, [{}] * 64)
+    assert torch.equal(first, b(["right"] * 64, [""] * 64, [{}] * 64))
+    assert set(first.tolist()) == {0.0, 1.0}
+
+
 def test_bad_flags():
     with pytest.raises(SystemExit):
         cli(["recipe-reasoning-gym", "--task", "sudoku"])
@@ -31,3 +51,5 @@ def test_bad_flags():
         RecipeConfig(model_size="huge")
     with pytest.raises(ValueError, match="epochs must be a positive int"):
         RecipeConfig(epochs=0)
+    with pytest.raises(ValueError, match="seeds must be a positive int"):
+        RecipeConfig(seeds=0)
