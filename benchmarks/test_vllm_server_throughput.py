@@ -37,7 +37,13 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tokengym.collectors import TokenCollector
-from tokengym.collectors.policies import LocalVLLMServer, SamplingConfig, VLLMPolicy, VLLMServerPolicy
+from tokengym.collectors.policies import (
+    LocalVLLMServer,
+    SamplingConfig,
+    ServerOptions,
+    VLLMPolicy,
+    VLLMServerPolicy,
+)
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_tokenizer
 
@@ -142,7 +148,7 @@ def _http_direct(tok, model, server, engine, B, closers: list):
             "include_stop_str_in_output": True, "return_token_ids": True, "logit_bias": {str(tok.eos_token_id): -100.0},
             "stop_token_ids": [tok.eos_token_id], "max_tokens": NEW_TOKENS}  # fmt: skip
     loop = asyncio.new_event_loop()
-    client = loop.run_until_complete(_client())
+    client = loop.run_until_complete(_client(server.api_key))
     closers.append(lambda: (loop.run_until_complete(client.aclose()), loop.close()))
     state = {"seed": 0}
 
@@ -157,17 +163,18 @@ def _http_direct(tok, model, server, engine, B, closers: list):
     return lambda: loop.run_until_complete(wave())
 
 
-async def _client():
+async def _client(key: str):
     import httpx
 
-    return httpx.AsyncClient(timeout=600.0, limits=httpx.Limits(max_connections=None, keepalive_expiry=2.0))  # as the policy
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0)  # as the policy, key included
+    return httpx.AsyncClient(timeout=600.0, limits=limits, headers={"Authorization": f"Bearer {key}"})
 
 
 def _server_policy(tok, model, server, engine, B, closers: list, client_s: list):
     env = _env(tok, model, B)
     env.reset()
     request = env.wave_request()
-    policy = _TimedPolicy([server.url], env, sampling=_sampling(tok))
+    policy = _TimedPolicy([server.url], env, sampling=_sampling(tok), options=ServerOptions(api_key=server.api_key))
     closers.append(policy.close)
 
     def run() -> int:
@@ -181,7 +188,7 @@ def _server_policy(tok, model, server, engine, B, closers: list, client_s: list)
 
 def _server_collector(tok, model, server, engine, B, closers: list, outside_s: list):
     env = _env(tok, model, B)
-    policy = _TimedPolicy([server.url], env, sampling=_sampling(tok))
+    policy = _TimedPolicy([server.url], env, sampling=_sampling(tok), options=ServerOptions(api_key=server.api_key))
     closers.append(policy.close)
     batches = iter(TokenCollector(env, policy, mode="steps", batch_size=NEW_TOKENS, source="wave"))
 

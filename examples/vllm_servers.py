@@ -1,10 +1,12 @@
 """Collect on running vLLM servers and push new weights into them (run: python examples/vllm_servers.py).
 
-With a fleet of your own, skip the launcher and pass its URLs: ``python examples/vllm_servers.py --urls
-http://10.0.0.1:8000 http://10.0.0.2:8000 --model-dir /shared/model`` (the servers started with
-``VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model /shared/model --logprobs-mode
-processed_logprobs ...``). Without ``--urls`` it saves a tiny model, starts one local server for it (~25 s on
-CPU), collects, trains nothing but moves the weights a little, pushes them, collects again and stops it.
+With a fleet of your own, skip the launcher and pass its URLs: ``TOKENGYM_SERVER_KEY=<key> python
+examples/vllm_servers.py --urls http://10.0.0.1:8000 http://10.0.0.2:8000 --model-dir /shared/model`` (the
+servers started with the same ``TOKENGYM_SERVER_KEY`` and ``VLLM_SERVER_DEV_MODE=1 python -m
+vllm.entrypoints.openai.api_server --model /shared/model --host <private address> --middleware
+tokengym.collectors.policies.server_guard.ServerKeyGuard --logprobs-mode processed_logprobs ...``). Without
+``--urls`` it saves a tiny model, starts one local server for it (~25 s on CPU; 127.0.0.1, behind a random
+key), collects, trains nothing but moves the weights a little, pushes them, collects again and stops it.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ def tiny_vllm_model(tok):
     return Qwen2ForCausalLM(config).eval()
 
 
-def collect(urls: list[str], model, tok, *, iterations: int, weights_dir: str | None) -> None:
+def collect(
+    urls: list[str], model, tok, *, iterations: int, weights_dir: str | None, key: str | None
+) -> None:
     env = TokenEnv(["What is 12 + 7?", "Reverse the string abc:", "count down 5 4"], tok, batch_size=4,
                    max_new_tokens=8, max_length=64, group_size=2, model_config=model.config)  # fmt: skip
-    policy = VLLMServerPolicy(urls, env, options=ServerOptions(weights_dir=weights_dir))
+    # key None: the policy sends $TOKENGYM_SERVER_KEY
+    policy = VLLMServerPolicy(urls, env, options=ServerOptions(weights_dir=weights_dir, api_key=key))
     with TokenCollector(env, policy, mode="trajectories", batch_size=4, source="wave") as collector:
         for i, batch in enumerate(collector):
             versions = batch.get(keys.POLICY_VERSION)[batch.get(keys.MASK)].unique().tolist()
@@ -64,7 +69,7 @@ def main() -> None:
             AutoTokenizer.from_pretrained(args.model_dir),
             AutoModelForCausalLM.from_pretrained(args.model_dir),
         )
-        collect(args.urls, model, tok, iterations=args.iterations, weights_dir=None)
+        collect(args.urls, model, tok, iterations=args.iterations, weights_dir=None, key=None)
         return
     tok = tiny_tokenizer()
     model = tiny_vllm_model(tok)
@@ -75,7 +80,9 @@ def main() -> None:
             path, args=["--max-model-len", "128", "--kv-cache-memory-bytes", str(1 << 24)]
         ) as server:
             print(f"server at {server.url} (log: {server.log_path})")
-            collect([server.url], model, tok, iterations=args.iterations, weights_dir=None)
+            collect(
+                [server.url], model, tok, iterations=args.iterations, weights_dir=None, key=server.api_key
+            )
 
 
 if __name__ == "__main__":

@@ -9,11 +9,17 @@ strings in the text it decodes, so it must decode as the env's tokenizer does). 
 plain dict, :func:`check_server` compares it with the env (through
 :func:`~tokengym.collectors.policies.protocol.check_fits_env`, as every backend does) and the sampling and
 raises a ``ValueError`` naming the server and the fix for anything that would give wrong tokens or log-probs.
+
+A server that refuses the policy's key (or its lack of one) fails at the first guarded call, ``/v1/models``,
+with a :class:`~tokengym.collectors.policies._server_options.RequestRejected` (a ``ValueError``) saying so.
+When the policy has a key, :func:`inspect_server` also asks ``/server_info`` without it: a server that
+answers has its development endpoints open to anyone who can reach it, and :func:`check_server` warns.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 
 import httpx
 
@@ -22,6 +28,7 @@ from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies._vllm_requests import check_logprobs_mode
 from tokengym.collectors.policies.protocol import check_fits_env
 from tokengym.collectors.policies.sampling import SamplingConfig
+from tokengym.collectors.policies.server_guard import KEY_VARIABLE, MIDDLEWARE
 
 __all__ = ["check_fleet", "check_server", "inspect_server"]
 
@@ -47,8 +54,16 @@ async def inspect_server(fleet: ServerFleet, server: Server, ids: list[int]) -> 
         info = await fleet.call(server, "GET", "/server_info?config_format=json")
         answer["logprobs_mode"] = info["vllm_config"]["model_config"]["logprobs_mode"]
         answer["dev_mode"] = bool(info.get("vllm_env", {}).get("VLLM_SERVER_DEV_MODE", False))
-    except (httpx.HTTPStatusError, RequestRejected, KeyError, TypeError):
+    except (httpx.HTTPStatusError, RequestRejected, KeyError, TypeError) as err:
+        if getattr(err, "status_code", None) == 401:
+            raise
         answer["dev_mode"] = False  # /server_info exists only with VLLM_SERVER_DEV_MODE=1
+    answer["is_open"] = False
+    if answer["dev_mode"] and fleet.has_key:
+        try:
+            answer["is_open"] = await fleet.is_open(server, "/server_info")
+        except (httpx.HTTPError, OSError):
+            pass  # it answered the same path a moment ago: a probe that fails proves nothing either way
     answer["vocab_size"] = await _vocab_size(fleet, server)
     answer["probe_log_prob"] = await _probe_log_prob(fleet, server)
     try:
@@ -93,6 +108,11 @@ def check_server(answer: dict, env, *, is_unmodified: bool, model: str | None = 
         ValueError: the env holds sequences of up to max_length=64 tokens but vLLM server http://h:8000 has 32 positions; ...
     """
     url = answer["url"]
+    if answer.get("is_open"):
+        warnings.warn(f"vLLM server {url} answers its development endpoints (/server_info) without a key although "
+                      "this policy sends one: anyone who can reach it can replace its weights and drive its "
+                      f"workers (/collective_rpc); start it with --middleware {MIDDLEWARE} and {KEY_VARIABLE} (as "
+                      "LocalVLLMServer does), or keep it on a private interface", stacklevel=4)  # fmt: skip
     if model is not None and answer["model"] != model:
         raise ValueError(f"vLLM server {url} serves {answer['model']!r}, not {model!r}; point the policy at "
                          "servers of one model (or pass model=None)")  # fmt: skip

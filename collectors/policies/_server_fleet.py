@@ -8,7 +8,9 @@ raises at once with the server's message. With no server left, :class:`NoServerE
 server and its last failure.
 
 HTTP is ``httpx.AsyncClient`` on an asyncio loop in a daemon thread of its own, so a synchronous caller
-(the collector) and one that already runs an event loop (a notebook) call it alike.
+(the collector) and one that already runs an event loop (a notebook) call it alike. The client sends the key
+(:func:`~tokengym.collectors.policies._server_options.server_key`) as ``Authorization: Bearer <key>`` with every
+request; it is held by the client's headers only (httpx shows them as ``[secure]``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from collections.abc import Callable, Hashable, Sequence
 
 import httpx
 
-from tokengym.collectors.policies._server_options import NoServerError, RequestRejected, ServerOptions
+from tokengym.collectors.policies._server_options import (
+    NoServerError,
+    RequestRejected,
+    ServerOptions,
+    server_key,
+)
+from tokengym.collectors.policies.server_guard import KEY_VARIABLE
 
 __all__ = ["Server", "ServerFleet"]
 
@@ -64,6 +72,7 @@ class ServerFleet:
         self.servers = [Server(url.rstrip("/")) for url in urls]
         self.sticky: dict[Hashable, Server] = {}
         self.revive: Callable | None = None  # async (server) -> None: make a returning server current
+        self.has_key = server_key(self.options) is not None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="tokengym-server-fleet", daemon=True
@@ -77,7 +86,9 @@ class ServerFleet:
         # idle connections expire before the server's keep-alive timeout (uvicorn: 5 s), so a request never
         # goes out on a connection the server is closing (a ReadError that would mark a healthy server down)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=2.0)
-        return httpx.AsyncClient(timeout=timeout, limits=limits)
+        key = server_key(o)
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        return httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers)
 
     def run(self, coro):
         """Run ``coro`` on the fleet's loop and return its result (from any thread but the loop's)."""
@@ -102,6 +113,12 @@ class ServerFleet:
         response = await self._client.request(method, server.url + path, json=payload, timeout=timeout)
         _raise_for_status(server, response)
         return response.json() if response.content else None
+
+    async def is_open(self, server: Server, path: str) -> bool:
+        """Whether ``server`` answers ``GET path`` with 200 to a request that carries no key."""
+        request = self._client.build_request("GET", server.url + path, timeout=self.options.control_timeout_s)
+        request.headers.pop("Authorization", None)
+        return (await self._client.send(request)).status_code == 200
 
     def mark_down(self, server: Server, reason: str) -> None:
         """Take ``server`` out of the rotation; its requests in flight go elsewhere."""
@@ -214,13 +231,21 @@ class ServerFleet:
 def _raise_for_status(server: Server, response: httpx.Response, *, row: int | None = None) -> None:
     if response.status_code < 400:
         return
+    path = response.request.url.path
+    if response.status_code == 401:
+        if "Authorization" in response.request.headers:
+            why = "with this client's key (HTTP 401): it was started with a different key; pass that one"
+        else:
+            why = "without a key (HTTP 401): it needs the key it was started with; pass it"
+        raise RequestRejected(f"{server.url} refused {path} {why} as ServerOptions(api_key=...) "
+                              f"(LocalVLLMServer.api_key) or in this process's {KEY_VARIABLE}", status_code=401)  # fmt: skip
     try:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = response.text[:500]
     if response.status_code < 500:
         where = "" if row is None else f" (wave row {row})"
-        raise RequestRejected(f"{server.url} rejected {response.request.url.path}{where} with HTTP "
-                              f"{response.status_code}: {message}")  # fmt: skip
-    raise httpx.HTTPStatusError(f"{server.url}{response.request.url.path}: HTTP {response.status_code}: {message}",
+        raise RequestRejected(f"{server.url} rejected {path}{where} with HTTP {response.status_code}: {message}",
+                              status_code=response.status_code)  # fmt: skip
+    raise httpx.HTTPStatusError(f"{server.url}{path}: HTTP {response.status_code}: {message}",
                                 request=response.request, response=response)  # fmt: skip

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
-__all__ = ["NoServerError", "RequestRejected", "ServerOptions"]
+from tokengym.collectors.policies.server_guard import KEY_VARIABLE
+
+__all__ = ["NoServerError", "RequestRejected", "ServerOptions", "server_key"]
 
 
 class NoServerError(RuntimeError):
@@ -12,7 +15,12 @@ class NoServerError(RuntimeError):
 
 
 class RequestRejected(ValueError):
-    """A server answered 4xx: the request itself is wrong (the message is the server's)."""
+    """A server answered 4xx: the request itself is wrong (the message is the server's), or, with
+    ``status_code`` 401, it lacks the server's key."""
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,3 +47,27 @@ class ServerOptions:
     weights you push); ``None``: the servers' model path, when it is a directory here."""
     model: str | None = None
     """The model id every server must serve (``/v1/models``); ``None``: any, but the same on all."""
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """The key sent as ``Authorization: Bearer <key>`` with every request: the one the servers were started
+    with (``LocalVLLMServer.api_key``; ``TOKENGYM_SERVER_KEY`` of a server behind
+    :class:`~tokengym.collectors.policies.server_guard.ServerKeyGuard`; vLLM's ``--api-key``). ``None``: this
+    process's ``TOKENGYM_SERVER_KEY`` if set, else no key. Not in ``repr``, logs or checkpoints (it does travel
+    with the options when they are pickled, e.g. to Ray workers)."""
+
+    def __post_init__(self) -> None:
+        key = self.api_key
+        if key is not None and not (isinstance(key, str) and key.strip() == key != "" and key.isprintable()):
+            # the key itself is never echoed
+            raise ValueError(f"api_key must be a non-empty printable string without spaces at its ends (the key the "
+                             f"servers were started with), got a {type(key).__name__} that is not")  # fmt: skip
+
+
+def server_key(options: ServerOptions) -> str | None:
+    """The key a client with ``options`` sends: ``options.api_key``, else ``$TOKENGYM_SERVER_KEY``, else ``None``.
+
+    Example:
+        >>> options = ServerOptions(api_key="k3y")
+        >>> server_key(options), "k3y" in repr(options)
+        ('k3y', False)
+    """
+    return options.api_key or os.environ.get(KEY_VARIABLE) or None

