@@ -18,7 +18,7 @@ from tokengym.collectors.core import (
     InFlight,
 )
 from tokengym.collectors.iteration import BatchIterator
-from tokengym.collectors.policies.protocol import as_token_policy, check_policy_env
+from tokengym.collectors.policies.protocol import as_token_policy, check_policy_env, sampling_of
 from tokengym.collectors.recorders import Step, StepRecorder, TrajectoryRecorder
 from tokengym.collectors.sources import SourceKind, make_source
 from tokengym.llm_envs import PromptTable, TokenEnv, keys
@@ -108,7 +108,7 @@ class TokenCollector(CollectorBase):
         if self.source.kind == "step":  # a stepping policy reads its env's tokens: another env fails here
             check_policy_env(policy, env)
         self.steps_done, self.is_started = 0, False
-        self.prompts = PromptTable(pad_token_id=base.tokenizer.pad_token_id)  # the layouts pad with it
+        self.prompts = PromptTable(pad_token_id=base.tokenizer.pad_token_id, sampling=sampling_of(policy))  # layouts pad with it, actors score with it
         self.pending: dict | None = None  # steps of a wave that did not fit into the last batch
         self._lock = threading.Lock()
         self._queued_weights: list = []  # weight updates asked for while collecting (another thread)

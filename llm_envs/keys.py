@@ -21,6 +21,8 @@ ACTIVE                     bool     (B,)        slot holds a live trajectory (Fa
 ACTION                     int64    (B,)        the token chosen
 ACTION_LOG_PROB            float32  (B,)        its log-prob under the sampling distribution
 RAW_LOG_PROB               float32  (B,)        its log-prob under the model (temperature 1)
+TRAINER_LOG_PROB           float32  (B,)        its log-prob under the trainer at the training step's
+                                                start (MismatchCorrection; decoupled PPO's old log-prob)
 POLICY_VERSION             int64    (B,)        version of the policy that chose the token
 REWARD                     float32  (B, 1)      reward, nonzero at a trajectory's last step
 DONE/TERMINATED/TRUNCATED  bool     (B, 1)      done = terminated | truncated
@@ -96,6 +98,8 @@ RESPONSE_START = "response_start"  # int (non-tensor) padded layout: column of t
 CHOSEN = "chosen"  # sub-TensorDict (G, L) DPO pairs: the higher-reward sequence of a group
 REJECTED = "rejected"  # sub-TensorDict (G, L) DPO pairs: the lower-reward sequence of a group
 LOSS_WEIGHT = "loss_weight"  # float32 (B,) per-token loss weight (clip-filter / dynamic sampling)
+# mismatch correction (issue #24): the trainer's teacher-forced log-prob of each action at the training step's start
+TRAINER_LOG_PROB = "trainer_log_prob"  # float32 (B,) written by MismatchCorrection; the decoupled PPO ratio's old log-prob
 
 OBSERVATION_KEYS = (TOKEN, SEQ_LEN, PROMPT_LEN, RESPONSE_LEN, TRAJ_ID, GROUP_ID, SAMPLE_ID, TURN, ACTIVE)
 PROVENANCE_KEYS = (TRAJ_ID, GROUP_ID, SAMPLE_ID, TURN, POLICY_VERSION)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
 import torch
 
 __all__ = ["PromptTable"]
@@ -17,6 +20,10 @@ class PromptTable:
     Args:
         pad_token_id: the env tokenizer's pad token id (a tokengym collector records it), the
             default padding of the layouts built from the batch (``to_padded``, ``SequenceActor``...).
+        sampling: the sampling settings of the policy that produced the batch (a tokengym collector records
+            its ``SamplingConfig``), kept as a plain dict (:attr:`sampling`) of ``temperature``, ``top_k``,
+            ``top_p``, ``greedy`` and ``banned_token_ids``; the sequence actors score with them or refuse a
+            mismatch. ``None``: not recorded.
 
     Example:
         >>> table = PromptTable(pad_token_id=0)
@@ -26,10 +33,11 @@ class PromptTable:
         ([[5, 6, 7], [5, 6, 7]], [3, 3])
     """
 
-    def __init__(self, *, pad_token_id: int | None = None) -> None:
+    def __init__(self, *, pad_token_id: int | None = None, sampling=None) -> None:
         if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)):
             raise TypeError(f"pad_token_id must be an int (tokenizer.pad_token_id) or None, got {pad_token_id!r}")
         self.pad_token_id = pad_token_id
+        self.sampling: dict | None = _sampling_record(sampling)
         self._ids: dict[int, torch.Tensor] = {}
         self._text: dict[int, str] = {}
         self._meta: dict[int, dict] = {}
@@ -85,7 +93,7 @@ class PromptTable:
 
     def subset(self, group_ids, traj_ids=None) -> PromptTable:
         """A new table with only ``group_ids`` and the sequences of ``traj_ids`` held (shares the tensors)."""
-        out = PromptTable(pad_token_id=self.pad_token_id)
+        out = PromptTable(pad_token_id=self.pad_token_id, sampling=self.sampling)
         for gid in dict.fromkeys(int(g) for g in torch.as_tensor(group_ids).reshape(-1).tolist()):
             out.add(gid, self.ids(gid), text=self.text(gid), metadata=self.metadata(gid))
         if traj_ids is not None:
@@ -95,9 +103,16 @@ class PromptTable:
         return out
 
     def merge(self, other: PromptTable) -> PromptTable:
-        """Add every prompt of ``other`` to this table and return it (a table without a pad id takes ``other``'s)."""
+        """Add every prompt of ``other`` to this table and return it (a table without a pad id or sampling settings
+        takes ``other``'s); a ``ValueError`` if both record sampling settings and they differ (the merged batch
+        would have no one sampling distribution to score)."""
         if self.pad_token_id is None:
             self.pad_token_id = other.pad_token_id
+        if self.sampling is None:
+            self.sampling = other.sampling
+        elif other.sampling is not None and other.sampling != self.sampling:
+            raise ValueError(f"cannot merge prompt tables of batches sampled with different settings, {self.sampling} "
+                             f"and {other.sampling}: train on the batches of each setting apart")  # fmt: skip
         for gid in other.group_ids():
             self.add(gid, other.ids(gid), text=other.text(gid), metadata=other.metadata(gid))
         for tid in other.traj_ids():
@@ -119,14 +134,15 @@ class PromptTable:
     def state_dict(self) -> dict:
         """The table as tensors, strings, lists and dicts (``torch.load(weights_only=True)`` reads it)."""
         groups = list(self._ids)
+        sampling = self.sampling and {**self.sampling, "banned_token_ids": list(self.sampling["banned_token_ids"])}
         return {"groups": groups, "ids": [self._ids[g] for g in groups], "text": [self._text[g] for g in groups],
                 "metadata": [self._meta[g] for g in groups], "sequences": dict(self._sequences),
-                "pad_token_id": self.pad_token_id}  # fmt: skip
+                "pad_token_id": self.pad_token_id, "sampling": sampling}  # fmt: skip
 
     @classmethod
     def from_state_dict(cls, state: dict) -> PromptTable:
         """Rebuild a table saved by :meth:`state_dict`."""
-        out = cls(pad_token_id=state.get("pad_token_id"))
+        out = cls(pad_token_id=state.get("pad_token_id"), sampling=state.get("sampling"))
         for gid, ids, text, meta in zip(state["groups"], state["ids"], state["text"], state["metadata"], strict=True):
             out.add(gid, ids, text=text, metadata=meta)
         for tid, ids in state["sequences"].items():
@@ -135,3 +151,28 @@ class PromptTable:
 
     def __repr__(self) -> str:
         return f"PromptTable(groups={len(self)}, pad_token_id={self.pad_token_id})"
+
+
+_SAMPLING_FIELDS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "greedy": False, "banned_token_ids": ()}
+
+
+def _sampling_record(sampling) -> dict | None:
+    """The plain dict a :class:`PromptTable` keeps of a policy's sampling settings: a ``SamplingConfig`` (any
+    dataclass with its fields) or a mapping of its fields; missing fields take ``SamplingConfig``'s defaults.
+
+    Example:
+        >>> _sampling_record({"temperature": 0.7, "banned_token_ids": [3]})
+        {'temperature': 0.7, 'top_k': 0, 'top_p': 1.0, 'greedy': False, 'banned_token_ids': (3,)}
+    """
+    if sampling is None:
+        return None
+    if dataclasses.is_dataclass(sampling) and not isinstance(sampling, type):
+        sampling = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(sampling)}
+    if not isinstance(sampling, Mapping):
+        raise TypeError(f"sampling must be a SamplingConfig, a mapping of its fields or None, got {type(sampling).__name__}")
+    unknown = sorted(set(sampling) - set(_SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown sampling fields {unknown}; a SamplingConfig has {list(_SAMPLING_FIELDS)}")
+    record = {**_SAMPLING_FIELDS, **sampling}
+    record["banned_token_ids"] = tuple(int(i) for i in record["banned_token_ids"])
+    return record

@@ -1,5 +1,5 @@
 """Transforms of collected batches (``tokengym.transforms``): KL reward shaping, KL control, reward
-shaping, advantages, filtering and training layouts."""
+shaping, advantages, filtering, rollout-trainer mismatch correction, per-token loss weights and training layouts."""
 
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ from tokengym.transforms.group_advantages import (
 from tokengym.transforms.kl_control import AdaptiveKLController, ConstantKLController, KLController
 from tokengym.transforms.kl_reward import K3Clamp, KLEstimator, KLRewardTransform, kl_estimate
 from tokengym.transforms.layouts import dpo_pairs, padded_to_steps, to_packed, to_padded
+from tokengym.transforms.mismatch import (
+    CorrectionLevel,
+    CorrectionMode,
+    MismatchCorrection,
+    mismatch_metrics,
+    mismatch_weights,
+)
 from tokengym.transforms.reward_shaping import ClipReward, MissingEOSPenalty, OverlongPenalty, ScaleReward
 from tokengym.transforms.sequences import (
     SequenceLayout,
@@ -41,6 +48,7 @@ from tokengym.transforms.sequences import (
 )
 from tokengym.transforms.trajectories import split_trajectories
 from tokengym.transforms.turn_discount import TurnDiscount
+from tokengym.transforms.weighted_loss import LossAggregation, WeightedLoss
 
 __all__ = [
     "decode",
@@ -52,6 +60,8 @@ __all__ = [
     "ClipFilterLikeWeights",
     "ClipReward",
     "ConstantKLController",
+    "CorrectionLevel",
+    "CorrectionMode",
     "DiscountedReturns",
     "FilterMode",
     "GAEAdvantage",
@@ -60,12 +70,15 @@ __all__ = [
     "KLController",
     "KLEstimator",
     "KLRewardTransform",
+    "LossAggregation",
     "MaskedSteps",
+    "MismatchCorrection",
     "MissingEOSPenalty",
     "RatioWindowWeights",
     "OverlongPenalty",
     "ScaleReward",
     "TurnDiscount",
+    "WeightedLoss",
     "ZeroStdGroupFilter",
     "check_trajectory_rows",
     "clip_filter_like_weights",
@@ -76,6 +89,8 @@ __all__ = [
     "kl_estimate",
     "make_advantage",
     "masked_whiten",
+    "mismatch_metrics",
+    "mismatch_weights",
     "padded_to_steps",
     "ratio_window_weights",
     "sequence_log_probs",

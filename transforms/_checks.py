@@ -69,6 +69,12 @@ def squeeze_last(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return x.reshape(shape) if x.shape != shape else x
 
 
+def set_loss_weight(td: TensorDictBase, weight: torch.Tensor) -> None:
+    """Write ``keys.LOSS_WEIGHT``, multiplying the one already in the batch (weight transforms compose)."""
+    old = td.get(keys.LOSS_WEIGHT, None)
+    td.set(keys.LOSS_WEIGHT, weight if old is None else squeeze_last(old, weight.shape) * weight)
+
+
 def previous_valid(mask: torch.Tensor) -> torch.Tensor:
     """int64 [N, T]: the column of the last valid step before ``t`` in its row, ``-1`` if none."""
     col = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)

@@ -2,7 +2,8 @@
 clip-filter-like group weights, and an importance-ratio window.
 
 The weight transforms write ``keys.LOSS_WEIGHT`` [N, T] (0 on padding); when the batch already holds
-one, they multiply it, so weight transforms compose.
+one, they multiply it, so weight transforms compose. :class:`~tokengym.transforms.WeightedLoss` applies the
+weights to the per-token loss of TorchRL's ``ClipPPOLoss`` / ``GRPOLoss``, so they reach the gradient.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from tensordict import TensorDictBase
 
 from tokengym.llm_envs import keys
 from tokengym.transforms._base import BatchTransform
-from tokengym.transforms._checks import check_number, require, squeeze_last, valid_mask
+from tokengym.transforms._checks import check_number, require, set_loss_weight, squeeze_last, valid_mask
 from tokengym.transforms.group_advantages import group_stats, sequence_scores
 from tokengym.transforms.sequences import check_trajectory_rows
 
@@ -93,12 +94,6 @@ def _zero_std(scores: torch.Tensor, group_ids: torch.Tensor, eps: float) -> tupl
     return per_seq, per_group
 
 
-def _set_weight(td: TensorDictBase, weight: torch.Tensor) -> None:
-    """Write ``keys.LOSS_WEIGHT``, multiplying the one already in the batch."""
-    old = td.get(keys.LOSS_WEIGHT, None)
-    td.set(keys.LOSS_WEIGHT, weight if old is None else squeeze_last(old, weight.shape) * weight)
-
-
 def clip_filter_like_weights(scores: torch.Tensor, group_ids: torch.Tensor, *, clip_eps: float = 3.0,
                              lamda: float = 1.0) -> torch.Tensor:  # fmt: skip
     """LightRFT / CPGD clip-filter-like weights (M,), one per sequence, vectorized over groups.
@@ -166,7 +161,7 @@ class ClipFilterLikeWeights(BatchTransform):
         valid = seq >= 0
         per_step = weights.new_zeros(seq.shape)
         per_step[valid] = weights[seq[valid]]
-        _set_weight(td, per_step)
+        set_loss_weight(td, per_step)
         return td
 
 
@@ -217,5 +212,5 @@ class RatioWindowWeights(BatchTransform):
         mask = valid_mask(td)
         lp = squeeze_last(require(td, self.log_prob_key, owner), mask.shape)
         old = squeeze_last(require(td, self.behaviour_key, owner), mask.shape)
-        _set_weight(td, ratio_window_weights(lp, old, mask, low=self.low, high=self.high))
+        set_loss_weight(td, ratio_window_weights(lp, old, mask, low=self.low, high=self.high))
         return td

@@ -12,7 +12,9 @@ and ``close``. On top of it, one generation mode or both:
 Optional capabilities are class attributes; absent means ``False`` (read them with the functions below):
 
 - ``is_wave_only``: the policy is callable but does not step (an ``nn.Module`` that generates waves);
-- ``supports_cache_state``: ``collection_state(include_cache=False)`` leaves out a cache too large to save.
+- ``supports_cache_state``: ``collection_state(include_cache=False)`` leaves out a cache too large to save;
+- ``sampling``: the policy's :class:`~tokengym.collectors.SamplingConfig` (an attribute, not a flag): the
+  collector records it with every batch so the sequence actors score what was sampled (:func:`sampling_of`).
 
 Built-in: :class:`~tokengym.collectors.TransformersPolicy` (steps and waves, cache state),
 :class:`~tokengym.collectors.PolicyWithReference` (steps), ``VLLMPolicy`` and ``VLLMServerPolicy`` (waves).
@@ -56,7 +58,7 @@ from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["FunctionPolicy", "StepPolicy", "TokenPolicy", "WavePolicy", "as_token_policy", "check_fits_env",
            "check_policy", "check_policy_env", "is_token_policy", "load_policy_state", "policy_state", "probe_ids",
-           "supports_cache_state", "supports_steps", "supports_waves", "weights_of"]  # fmt: skip
+           "sampling_of", "supports_cache_state", "supports_steps", "supports_waves", "weights_of"]  # fmt: skip
 
 Weights = Mapping[str, torch.Tensor] | TensorDictBase | torch.nn.Module
 
@@ -126,6 +128,16 @@ def supports_waves(policy) -> bool:
 def supports_cache_state(policy) -> bool:
     """True when ``policy.collection_state`` takes ``include_cache`` (its cache may be left out of a checkpoint)."""
     return bool(getattr(policy, "supports_cache_state", False))
+
+
+def sampling_of(policy) -> SamplingConfig | None:
+    """The :class:`~tokengym.collectors.SamplingConfig` ``policy`` samples with (its ``sampling``), or ``None``
+    when it does not say (a plain function); a ``TypeError`` when ``sampling`` is something else."""
+    sampling = getattr(policy, "sampling", None)
+    if sampling is not None and not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"{type(policy).__name__}.sampling must be a SamplingConfig (what the policy samples with, "
+                        f"recorded with every batch) or None, got {type(sampling).__name__}")  # fmt: skip
+    return sampling
 
 
 def is_token_policy(policy) -> bool:

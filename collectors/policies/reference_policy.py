@@ -7,7 +7,8 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
 from tokengym.collectors.policies.kv_cache import SlotKVCache
-from tokengym.collectors.policies.protocol import Weights, load_policy_state, policy_state
+from tokengym.collectors.policies.protocol import Weights, load_policy_state, policy_state, sampling_of
+from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.llm_envs import keys
 
 __all__ = ["PolicyWithReference", "StepwiseReference"]
@@ -107,6 +108,11 @@ class PolicyWithReference:
     def version(self) -> int:
         """The policy's version."""
         return self.policy.version
+
+    @property
+    def sampling(self) -> SamplingConfig | None:
+        """The policy's sampling settings (recorded with every batch), ``None`` if it does not say."""
+        return sampling_of(self.policy)
 
     def update_weights(self, weights: Weights | None = None) -> int:
         """Update the policy's weights (the reference stays as it is)."""

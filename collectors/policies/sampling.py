@@ -16,8 +16,11 @@ import dataclasses
 import threading
 
 import torch
+from tensordict import TensorDictBase
 
-__all__ = ["SamplingConfig", "sample_tokens"]
+from tokengym.llm_envs import keys
+
+__all__ = ["SamplingConfig", "batch_sampling", "processed_logits", "sample_tokens"]
 
 _BLOCK = 256
 """Tokens per block of the two-level draw; vocabularies up to ``_ONE_LEVEL_MAX`` use one level."""
@@ -76,8 +79,55 @@ class SamplingConfig:
         return cache[device]
 
 
+def batch_sampling(tensordict: TensorDictBase) -> SamplingConfig | None:
+    """The sampling settings recorded with a collected batch (its PromptTable's, ``keys.PROMPTS``), or ``None``
+    when it records none; a ``ValueError`` when the rows of a stacked batch record different settings.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> from tokengym.llm_envs import PromptTable
+        >>> td = TensorDict({}, [2, 3])
+        >>> td = td.set_non_tensor(keys.PROMPTS, PromptTable(pad_token_id=0, sampling=SamplingConfig(temperature=0.7)))
+        >>> batch_sampling(td).temperature, batch_sampling(TensorDict({}, [2, 3]))
+        (0.7, None)
+    """
+    try:
+        tables = tensordict.get_non_tensor(keys.PROMPTS)
+    except KeyError:
+        return None
+    records, stack = [], [tables]
+    while stack:  # a batch stacked or sampled from a replay buffer holds one table per stored batch
+        item = stack.pop()
+        if isinstance(item, list | tuple):
+            stack.extend(item)
+        elif getattr(item, "sampling", None) is not None and item.sampling not in records:
+            records.append(item.sampling)
+    if len(records) > 1:
+        raise ValueError(f"the batch mixes rows sampled with different settings {records}; score the rows of "
+                         "each setting apart")  # fmt: skip
+    return SamplingConfig(**records[0]) if records else None
+
+
+def processed_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """The logits (..., V) of the distribution ``config`` samples from, whose log-softmax gives the log-probs the
+    policies write as ``action_log_prob``: divided by the temperature, banned tokens and top-k / top-p at -inf.
+
+    Differentiable (the sequence actors train through it); a new float32 tensor.
+
+    Example:
+        >>> x = processed_logits(torch.tensor([[0.0, 2.0, 1.0]]), SamplingConfig(temperature=0.5, banned_token_ids=(2,)))
+        >>> x.tolist()
+        [[0.0, 4.0, -inf]]
+    """
+    x = logits.float() / config.temperature  # always a new tensor: the caller's logits stay as they are
+    banned = config.banned_ids(x.device)
+    if banned is None and not config.is_filtered:
+        return x
+    return _filter(x, config, banned)
+
+
 def _filter(x: torch.Tensor, config: SamplingConfig, banned: torch.Tensor | None) -> torch.Tensor:
-    """Banned tokens, top-k and top-p applied to temperature-scaled logits (B, V); returns a new tensor."""
+    """Banned tokens, top-k and top-p applied to temperature-scaled logits (..., V); returns a new tensor."""
     x = x.index_fill(-1, banned, -float("inf")) if banned is not None else x.clone()
     if 0 < config.top_k < x.shape[-1]:
         kth = x.topk(config.top_k, dim=-1).values[..., -1:]  # (B, 1)

@@ -1,4 +1,10 @@
-"""SequenceActor: the policy as TorchRL losses see it, scoring whole trajectories in one teacher-forced forward."""
+"""SequenceActor: the policy as TorchRL losses see it, scoring whole trajectories in one teacher-forced forward.
+
+Both actors score with the sampling settings the batch records (its PromptTable's, written by the collector
+from the policy's ``SamplingConfig``): the temperature divides the logits and banned tokens get probability 0,
+so on the first on-policy step the ratio against ``action_log_prob`` is 1. A ``temperature`` passed to an actor
+that differs from the batch's, or a batch sampled with top-k / top-p, raises a ``ValueError`` naming the fix.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,42 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
+from tokengym.collectors.policies.sampling import SamplingConfig, batch_sampling, processed_logits
 from tokengym.llm_envs import keys
 from tokengym.transforms.sequences import sequence_layout
 
 __all__ = ["MaskedCategorical", "PaddedSequenceActor", "SequenceActor"]
+
+_TEMPERATURE_MISMATCH = (
+    "{owner}(temperature={mine}) scores the batch at temperature {mine}, but its policy sampled it at temperature "
+    "{theirs} (recorded in the batch's PromptTable): the PPO ratio against action_log_prob would not be 1 on-policy. "
+    "Pass temperature={theirs}, or leave temperature=None to take the batch's"
+)
+_FILTERED = (
+    "{owner} scores a batch with its temperature and banned tokens, but the batch was sampled with top_k={top_k}, "
+    "top_p={top_p}: a sampled token outside the trainer's top-k / top-p set would get log-prob -inf. Sample with "
+    "SamplingConfig(top_k=0, top_p=1.0) for training, or pass use_unfiltered=True to score without the filter (the "
+    "ratio is then not 1 on-policy: correct the gap with tokengym.transforms.MismatchCorrection)"
+)
+
+
+def _check_temperature(temperature: float | None) -> None:
+    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, int | float)
+                                    or not temperature > 0):  # fmt: skip
+        raise ValueError(f"temperature must be > 0 (the sampling temperature) or None (the batch's), got {temperature!r}")
+
+
+def _scoring(owner: str, temperature: float | None, use_unfiltered: bool, tensordict: TensorDictBase) -> SamplingConfig:
+    """The settings an actor scores ``tensordict`` with: the batch's temperature and banned tokens (a batch that records
+    none: ``temperature`` or 1.0), or a ``ValueError`` on a mismatch."""
+    recorded = batch_sampling(tensordict)
+    if recorded is None:
+        return SamplingConfig(temperature=1.0 if temperature is None else float(temperature))
+    if temperature is not None and float(temperature) != recorded.temperature:
+        raise ValueError(_TEMPERATURE_MISMATCH.format(owner=owner, mine=temperature, theirs=recorded.temperature))
+    if (recorded.top_k or recorded.top_p < 1.0) and not use_unfiltered:
+        raise ValueError(_FILTERED.format(owner=owner, top_k=recorded.top_k, top_p=recorded.top_p))
+    return SamplingConfig(temperature=recorded.temperature, banned_token_ids=recorded.banned_token_ids)
 
 
 class SequenceActor(TensorDictModuleBase):
@@ -17,35 +55,65 @@ class SequenceActor(TensorDictModuleBase):
 
     Reads a TRAJECTORIES batch (N, T) and its prompt table (``keys.PROMPTS``), runs the model once
     on left-padded prompt + response (N, P + T), and returns a categorical distribution over the
-    vocabulary per step; no step ever copies its context. ``temperature`` must match the one the
-    sampling policy used, so that the ratio against ``action_log_prob`` is a real importance ratio
-    (top-k / top-p filtering is not reproduced: train with ``top_k=0, top_p=1``).
+    vocabulary per step; no step ever copies its context. It scores with the batch's sampling settings
+    (module docstring), so the ratio against ``action_log_prob`` is a real importance ratio. A padding
+    step (``keys.MASK`` False) is a point mass on its recorded action (log-prob 0, what the collector records
+    there): ratio 1, no gradient, no entropy, whatever mask the loss applies.
 
     Args:
         model: the transformers causal LM being trained.
         pad_token_id: id used to pad prompts and responses; ``None`` takes the batch's PromptTable's (the
             env tokenizer's, recorded by the collector) and raises a ``ValueError`` when it records none.
-        temperature: the sampling temperature.
+        temperature: the sampling temperature; ``None`` (default) takes the batch's (1.0 for a batch that
+            records none). One that differs from the batch's raises a ``ValueError``.
+        use_unfiltered: score a batch sampled with top-k / top-p without the filter instead of refusing it.
+
+    Example:
+        >>> from tokengym.testing import make_trajectory_batch, tiny_model, tiny_tokenizer
+        >>> batch = make_trajectory_batch([3, 1])  # its PromptTable records no sampling settings
+        >>> actor = SequenceActor(tiny_model(tiny_tokenizer()))
+        >>> lp = actor.log_prob(batch)
+        >>> lp.shape, lp[1, 1:].tolist()  # padding steps: a point mass on their action
+        (torch.Size([2, 3]), [0.0, 0.0])
     """
 
     in_keys = [keys.ACTION, keys.GROUP_ID, keys.TRAJ_ID, keys.MASK, keys.PROMPTS]
     out_keys = [keys.LOGITS]
 
-    def __init__(self, model, *, pad_token_id: int | None = None, temperature: float = 1.0) -> None:
+    def __init__(self, model, *, pad_token_id: int | None = None, temperature: float | None = None,
+                 use_unfiltered: bool = False) -> None:  # fmt: skip
         super().__init__()
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0 (the sampling temperature), got {temperature}")
+        _check_temperature(temperature)
         self.model, self.pad_token_id, self.temperature = model, pad_token_id, temperature
+        self.use_unfiltered = bool(use_unfiltered)
+
+    def scoring(self, tensordict: TensorDictBase) -> SamplingConfig:
+        """The sampling settings this actor scores ``tensordict`` with (temperature and banned tokens)."""
+        return _scoring(type(self).__name__, self.temperature, self.use_unfiltered, tensordict)
 
     def logits(self, tensordict: TensorDictBase) -> torch.Tensor:
-        """Logits (N, T, V) of each step's token distribution, temperature applied."""
+        """Logits (N, T, V) of each step's token distribution, the batch's sampling settings applied."""
+        config = self.scoring(tensordict)
         layout = sequence_layout(tensordict, pad_id=self.pad_token_id)
         attention_mask = layout.attention_mask.long()
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=layout.tokens, attention_mask=attention_mask, position_ids=positions, use_cache=False)
         # step t is predicted at the column before its token (multi-turn: feedback sits in between)
         index = (layout.columns - 1)[..., None].expand(*layout.columns.shape, out.logits.shape[-1])
-        return out.logits.gather(1, index).float() / self.temperature  # (N, T, V)
+        logits = processed_logits(out.logits.gather(1, index), config)  # (N, T, V)
+        mask = tensordict.get(keys.MASK, None)
+        if mask is not None and not bool(mask.all()):  # padding: a point mass on the recorded action
+            pad = ~mask.reshape(logits.shape[:-1]).bool()
+            logits = logits.masked_fill(pad[..., None], -float("inf"))
+            rows, cols = pad.nonzero(as_tuple=True)
+            logits[rows, cols, tensordict.get(keys.ACTION)[rows, cols]] = 0.0
+        return logits
+
+    def log_prob(self, tensordict: TensorDictBase) -> torch.Tensor:
+        """Log-prob (N, T) of each step's action under the model (0 on padding): the trainer's log-probs that
+        :class:`~tokengym.transforms.MismatchCorrection` compares with the sampler's (call it under ``torch.no_grad()``)."""
+        action = tensordict.get(keys.ACTION)
+        return self.logits(tensordict).log_softmax(-1).gather(-1, action[..., None]).squeeze(-1)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         tensordict.set(keys.LOGITS, self.logits(tensordict))
@@ -70,11 +138,13 @@ class PaddedSequenceActor(TensorDictModuleBase):
 
     ``get_dist`` returns a distribution over the whole (N, L) sequence whose column ``j`` scores
     token ``j`` and whose ``mask`` is ``keys.ACTION_MASK`` (the generated tokens), so ``GRPOLoss``
-    runs on ``to_padded(batch)`` with its default keys.
+    runs on ``to_padded(batch)`` with its default keys. It scores with the sampling settings the layout's
+    PromptTable records (``to_padded`` keeps it), as :class:`SequenceActor` does.
 
     Args:
         model: the transformers causal LM being trained.
-        temperature: the sampling temperature.
+        temperature: the sampling temperature; ``None`` (default) takes the batch's (1.0 if it records none).
+        use_unfiltered: score a batch sampled with top-k / top-p without the filter instead of refusing it.
 
     Example:
         >>> from torchrl.objectives.llm import GRPOLoss
@@ -87,22 +157,33 @@ class PaddedSequenceActor(TensorDictModuleBase):
         torch.Size([])
     """
 
-    in_keys = [keys.TOKENS, keys.ATTENTION_MASK, keys.ACTION_MASK, keys.POSITION_IDS]
+    in_keys = [keys.TOKENS, keys.ATTENTION_MASK, keys.ACTION_MASK, keys.POSITION_IDS, keys.PROMPTS]
     out_keys = [keys.LOGITS]
 
-    def __init__(self, model, *, temperature: float = 1.0) -> None:
+    def __init__(self, model, *, temperature: float | None = None, use_unfiltered: bool = False) -> None:
         super().__init__()
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0 (the sampling temperature), got {temperature}")
-        self.model, self.temperature = model, temperature
+        _check_temperature(temperature)
+        self.model, self.temperature, self.use_unfiltered = model, temperature, bool(use_unfiltered)
+
+    def scoring(self, tensordict: TensorDictBase) -> SamplingConfig:
+        """The sampling settings this actor scores ``tensordict`` with (temperature and banned tokens)."""
+        return _scoring(type(self).__name__, self.temperature, self.use_unfiltered, tensordict)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        config = self.scoring(tensordict)
         out = self.model(input_ids=tensordict.get(keys.TOKENS), attention_mask=tensordict.get(keys.ATTENTION_MASK).long(),
                          position_ids=tensordict.get(keys.POSITION_IDS), use_cache=False)  # fmt: skip
-        logits = out.logits.float() / self.temperature  # (N, L, V)
+        logits = processed_logits(out.logits, config)  # (N, L, V)
         # the logits at column j-1 predict token j: shift right so that column j scores token j
         tensordict.set(keys.LOGITS, torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1))
         return tensordict
+
+    def log_prob(self, tensordict: TensorDictBase) -> torch.Tensor:
+        """Log-prob (N, L) of each generated token (0 where ``keys.ACTION_MASK`` is False): the trainer's log-probs
+        that :class:`~tokengym.transforms.MismatchCorrection` compares with the sampler's (call it under ``torch.no_grad()``)."""
+        logits = self(tensordict.copy()).get(keys.LOGITS)
+        lp = logits.log_softmax(-1).gather(-1, tensordict.get(keys.TOKENS)[..., None]).squeeze(-1)
+        return torch.where(tensordict.get(keys.ACTION_MASK), lp, torch.zeros_like(lp))
 
     def get_dist(self, tensordict: TensorDictBase, logits_key=keys.LOGITS) -> MaskedCategorical:
         td = self(tensordict.copy())

@@ -17,6 +17,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
     [
         ("ppo.py", ["--iterations", "2", "--quick"]),
         ("grpo.py", ["--iterations", "2", "--quick"]),
+        ("grpo.py", ["--iterations", "2", "--quick", "--correction", "truncate"]),
         ("custom_reward.py", ["--iterations", "2"]),
     ],
 )
