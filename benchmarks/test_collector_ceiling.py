@@ -8,18 +8,23 @@ tensors by a few torch ops. The share of decoding is the time the env's decoder 
 responses, over the collector's time.
 
 Run: ``pytest benchmarks/test_collector_ceiling.py -q`` (one torch thread; the table prints at the end).
+
+``test_dynamic_sampling_cost`` measures what ``CollectorOptions(dynamic_sampling=...)`` costs: the same collector
+with and without it, interleaved, with a reward that gives every sample its own score (every group spreads, so
+both yield the same batches and only the filter's bookkeeping differs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 
 import pytest
 import torch
 
-from tokengym.collectors import TokenCollector
+from tokengym.collectors import CollectorOptions, DynamicSampling, TokenCollector
 from tokengym.llm_envs import PromptSource, TokenEnv, keys
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
 from tokengym.llm_envs.waves import WaveResult
@@ -70,6 +75,14 @@ def _zero_reward(responses, prompts, metadata):
     return [0.0] * len(responses)
 
 
+_SCORES = itertools.count()
+
+
+def _distinct_reward(responses, prompts, metadata):
+    """Every response its own score: every group has reward spread."""
+    return [float(next(_SCORES)) for _ in responses]
+
+
 def _feedback(responses, prompts, metadata, turns):
     return [Turn(0.0, "ok") for _ in responses]
 
@@ -103,19 +116,19 @@ CASES = [
 ]
 
 
-def _collector(case: Case) -> TokenCollector:
+def _collector(case: Case, *, reward=_zero_reward, options: CollectorOptions | None = None) -> TokenCollector:
     tok = tiny_tokenizer()
     source = PromptSource(_DATASET, tok) if case.dataset else PromptSource(_PROMPTS, tok, group_size=8)
     kwargs = dict(batch_size=case.B, max_new_tokens=case.max_new_tokens, max_length=case.turns * (case.max_new_tokens + 16) + 16)
     if case.turns == 1:
-        env = TokenEnv(source, tok, _zero_reward, **kwargs)
+        env = TokenEnv(source, tok, reward, **kwargs)
     else:
         env = MultiTurnTokenEnv(source, tok, _feedback, max_turns=case.turns, **kwargs)
     first = max(tok.all_special_ids) + 1
     policy = InstantPolicy(len(tok), first, p_end=1.0 / (case.max_new_tokens / 2), seed=0)
     policy.eos = tok.eos_token_id
     size = case.B if case.mode == "trajectories" else (case.max_new_tokens if case.source == "wave" else 64)
-    return TokenCollector(env, policy, mode=case.mode, batch_size=size, source=case.source)
+    return TokenCollector(env, policy, mode=case.mode, batch_size=size, source=case.source, options=options)
 
 
 def _floor(case: Case, state: dict):
@@ -229,3 +242,26 @@ def test_collector_ceiling(benchmark, case, interleaved, ceiling_table):
         row["collector_over_floor"] = statistics.median(a / b for a, b in zip(rates["collector"], rates["floor"], strict=True))
     benchmark.extra_info.update(row)
     ceiling_table[case.name] = row
+
+
+SAMPLING_CASES = [Case("wave", 256, 1024, "trajectories"), Case("wave", 64, 256, "trajectories", batches=8),
+                  Case("step", 64, 256, "trajectories", batches=2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SAMPLING_CASES, ids=[c.name for c in SAMPLING_CASES])
+def test_dynamic_sampling_cost(benchmark, case, interleaved):
+    """Tokens/s with and without dynamic sampling on the same settings (groups of 8), rounds interleaved."""
+    torch.manual_seed(0)
+    on = CollectorOptions(dynamic_sampling=DynamicSampling())
+    collectors = {"off": _collector(case, reward=_distinct_reward), "on": _collector(case, reward=_distinct_reward, options=on)}
+    states: dict = {name: {} for name in collectors}
+    runs = {name: _run(c, case.batches, states[name]) for name, c in collectors.items()}
+    rates = interleaved(runs, 5, benchmark)
+    counts = collectors["on"].counts()
+    assert counts["kept_groups"] == counts["drawn_groups"] > 0  # every group spread: the same batches
+    row = {f"tokens_per_s_{n}": statistics.median(v) for n, v in rates.items()}
+    row.update({f"tokens_per_cpu_s_{n}": statistics.median(states[n]["cpu:collector"][1:]) for n in collectors})
+    row["on_over_off"] = statistics.median(a / b for a, b in zip(rates["on"], rates["off"], strict=True))
+    benchmark.extra_info.update(row)
+    print(f"\n{case.name}: " + ", ".join(f"{k} {v:,.3f}" if k == "on_over_off" else f"{k} {v / 1e6:.3f}M"
+                                         for k, v in row.items()))  # fmt: skip

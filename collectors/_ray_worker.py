@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDictBase
 
 from tokengym.collectors.core import CollectSpec
+from tokengym.collectors.dynamic_sampling import DynamicSamplingError
 from tokengym.collectors.policies.protocol import weights_of
 from tokengym.collectors.token_collector import TokenCollector
 from tokengym.llm_envs import keys
@@ -177,14 +178,16 @@ class CollectorWorker:
         The :meth:`report` (steps, counters) comes with every batch. A failing batch (a reward function raising,
         say) rolls the worker back to the state after its last batch and raises with the worker's index in the
         message. A :class:`PromptError` does not: the collector has recorded what it collected and moved past the
-        prompt (a rollback would draw it again, and fail again), so the next call goes on from there.
+        prompt (a rollback would draw it again, and fail again), so the next call goes on from there; nor does a
+        :class:`DynamicSamplingError` (the groups drawn are judged and the kept ones queued: a rollback would draw
+        the same groups again).
         """
         try:
             with self.lock:
                 if self.iterator is None:
                     self.iterator = iter(self.collector)
             batch = next(self.iterator, None)
-        except PromptError as err:
+        except (PromptError, DynamicSamplingError) as err:
             _with_worker(err, self.index, self.num_workers)
             raise
         except Exception as err:

@@ -20,6 +20,7 @@ from typing import ClassVar
 from tensordict import TensorDictBase
 
 from tokengym.collectors._metrics import collector_metrics
+from tokengym.collectors.dynamic_sampling import DynamicSampling
 from tokengym.collectors.iteration import BatchIterator
 from tokengym.collectors.sinks import check_sink, write_to_sink
 
@@ -61,10 +62,13 @@ class CollectorOptions:
             False releases every trajectory as it finishes (groups may span batches).
         in_flight: an :class:`InFlight` (or its string): trajectories in flight at a weight update.
         use_progress_bar: a tqdm bar of collected tokens on stderr (only when stderr is a terminal).
+        dynamic_sampling: a :class:`~tokengym.collectors.DynamicSampling` (DAPO, verl's ``filter_groups``): in
+            ``TRAJECTORIES`` mode, batches of whole groups whose rewards spread, sampled until full.
     """
 
     def __init__(self, *, is_last_step_only: bool = False, is_fixed_width: bool = True, is_whole_groups: bool = True,
-                 in_flight: InFlight | str = InFlight.CONTINUE, use_progress_bar: bool = False) -> None:  # fmt: skip
+                 in_flight: InFlight | str = InFlight.CONTINUE, use_progress_bar: bool = False,
+                 dynamic_sampling: DynamicSampling | None = None) -> None:  # fmt: skip
         self.is_last_step_only, self.is_fixed_width = is_last_step_only, is_fixed_width
         self.is_whole_groups = is_whole_groups
         try:
@@ -72,6 +76,9 @@ class CollectorOptions:
         except ValueError:
             raise ValueError(f"in_flight must be one of {[m.value for m in InFlight]}, got {in_flight!r}") from None
         self.use_progress_bar = use_progress_bar
+        if dynamic_sampling is not None and not isinstance(dynamic_sampling, DynamicSampling):
+            raise TypeError(f"dynamic_sampling must be a DynamicSampling or None, got {type(dynamic_sampling).__name__}")
+        self.dynamic_sampling = dynamic_sampling
 
 
 def _is_int(value) -> bool:
@@ -138,6 +145,11 @@ class CollectSpec:
             raise ValueError("is_last_step_only=True needs mode='trajectories' (a step batch has no 'last step')")
         if options.in_flight is InFlight.DROP and mode is not CollectMode.TRAJECTORIES:
             raise ValueError("in_flight='drop' needs mode='trajectories' (steps already yielded cannot be dropped)")
+        if options.dynamic_sampling is not None and (mode is not CollectMode.TRAJECTORIES or not options.is_whole_groups):
+            why = f"mode={mode.value!r}" if mode is not CollectMode.TRAJECTORIES else "is_whole_groups=False"
+            raise ValueError(f"dynamic_sampling keeps or drops whole groups of finished trajectories, so it needs "
+                             f"mode='trajectories' with whole groups, got {why}; use ZeroStdGroupFilter(mode='mask') "
+                             "on STEPS batches instead")  # fmt: skip
         return cls(mode, batch_size, total_steps, frames_per_batch, total_frames, options)
 
     def for_env(self, *, slots: int, group_size: int) -> CollectSpec:
@@ -161,6 +173,9 @@ class CollectSpec:
                                  f"{steps} steps) disagree; pass one of them")  # fmt: skip
             total_steps = steps
         group = self.group_of(group_size)
+        if self.options.dynamic_sampling is not None and group_size < 2:
+            raise ValueError(f"dynamic_sampling needs group_size >= 2 (it keeps groups whose samples' rewards spread), "
+                             f"got group_size={group_size}; pass group_size=G to the env or its PromptSource")  # fmt: skip
         if batch_size % group:
             raise ValueError(f"batch_size={batch_size} trajectories is not a multiple of the env's group_size={group}: "
                              f"a TRAJECTORIES batch holds whole groups; pass batch_size={max(1, batch_size // group) * group}, "

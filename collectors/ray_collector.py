@@ -231,6 +231,8 @@ class RayTokenCollector(CollectorBase):
             return
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, Exception) else err
+            _consume(state_ref)  # the same error: read, or Ray prints it as unhandled when the ref goes
+            self._reports[i] = ray.get(self.workers[i].info.remote())["report"]  # its counts of the failure
             raise cause from err  # the worker already rolled back; the other workers' results stay held
         batch, self._reports[i] = result
         self._latest[i] = state_ref
@@ -351,6 +353,15 @@ def cat_batches(batches: list[TensorDictBase]) -> TensorDictBase:
         table.merge(t)
     out.set_non_tensor(keys.PROMPTS, table)
     return out
+
+
+def _consume(ref) -> None:
+    """Read a result that holds the task's error (already raised from its other result)."""
+    ray = _ray()
+    try:
+        ray.get(ref)
+    except ray.exceptions.RayTaskError:
+        pass
 
 
 def _check_args(env_fn, policy_fn, num_workers, seed, ray_config) -> None:

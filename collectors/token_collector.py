@@ -127,7 +127,8 @@ class TokenCollector(CollectorBase):
         if self.mode is CollectMode.STEPS:
             return StepRecorder(self.batch_size)
         return TrajectoryRecorder(self.batch_size, self.base_env.max_new_tokens, group_size=self.spec.group_of(self.group_size),
-                                  is_fixed_width=self.options.is_fixed_width)  # fmt: skip
+                                  is_fixed_width=self.options.is_fixed_width,
+                                  dynamic_sampling=self.options.dynamic_sampling)  # fmt: skip
 
     def _drop_orphans(self) -> None:
         """Drop waiting groups that can no longer complete (a sample's prompt failed to load): no slot and
@@ -174,7 +175,8 @@ class TokenCollector(CollectorBase):
 
     def collect_batch(self) -> TensorDictBase | None:
         """Step until a batch is full (it stays in the recorder until :meth:`commit_batch`); ``None`` when the
-        budget or the prompt source runs out."""
+        budget or the prompt source runs out. With dynamic sampling, a ``DynamicSamplingError`` once the draw
+        bound is reached first (the kept groups stay queued: the next call goes on)."""
         # OpenMP's thread count is per thread: a collector iterated in another thread keeps its builder's
         torch.set_num_threads(self.num_threads)
         if not self.is_started:
@@ -190,6 +192,8 @@ class TokenCollector(CollectorBase):
             if not self._has_budget() or self.base_env.is_exhausted:
                 batch = self.recorder.peek(partial=True)
                 return None if batch is None else self._shape(batch)
+            if self.mode is CollectMode.TRAJECTORIES:
+                self.recorder.check_draws()
             self._advance()
         return self._shape(self.recorder.peek())
 
@@ -215,10 +219,13 @@ class TokenCollector(CollectorBase):
 
     def counts(self) -> dict[str, int]:
         """Failed prompts, dropped tokens, weight updates, the env's prompt counts (over-long prompts skipped or
-        truncated, reward errors) and, in ``TRAJECTORIES`` mode, the groups dropped and trajectories waiting."""
+        truncated, reward errors) and, in ``TRAJECTORIES`` mode, the groups dropped and trajectories waiting
+        (with dynamic sampling, its counts: groups drawn, kept, dropped for zero spread...)."""
         out = {**self.counters, **self.base_env.prompt_counts}
         if isinstance(self.recorder, TrajectoryRecorder):
             out.update(self.recorder.counters, waiting_trajectories=self.recorder.num_waiting)
+            if self.recorder.sampling is not None:
+                out.update(self.recorder.sampling.counters)
         return out
 
     # -- iteration --

@@ -18,6 +18,7 @@ from tokengym.collectors._packing import (
     flat_name,
     to_tensordict,
 )
+from tokengym.collectors.dynamic_sampling import DynamicSampling, SpreadFilter
 from tokengym.llm_envs import keys
 
 __all__ = ["TrajectoryRecorder"]
@@ -36,7 +37,7 @@ class _Segment:
 class TrajectoryRecorder:
     """Finished trajectories, right-padded to (N, T), released by whole groups.
 
-    A finished trajectory is a reference ``(segment, row, length, group, traj)``, never a copy:
+    A finished trajectory is a reference ``(segment, row, length, group, traj, score)``, never a copy:
 
     - a wave's rows that hold whole trajectories (single-turn waves) stay in the wave's own tensors;
     - a trajectory built step by step (the step source, or turns continuing across waves) is written
@@ -49,17 +50,26 @@ class TrajectoryRecorder:
     :meth:`peek` (no copy at all when the batch is one wave's rows in order). Waiting is bounded: every
     waiting group has a sample in a slot or in the prompt source (a group that can no longer complete
     is dropped with :meth:`drop_groups`), so at most ``(B + 1) * (group_size - 1)`` trajectories wait.
+    With ``dynamic_sampling``, a group is judged when it completes (:class:`SpreadFilter`): one whose rewards
+    do not spread is dropped there (its store rows freed), so the queue holds only groups that go into batches.
 
     Args:
         batch_size: ``N``, trajectories per batch (a multiple of ``group_size``).
         max_steps: the longest trajectory (the env's ``max_new_tokens``).
         group_size: samples per group; 1 releases every trajectory as it finishes.
         is_fixed_width: pad every batch to ``max_steps`` (batches then stack in a replay buffer).
+        dynamic_sampling: keep only groups whose rewards spread (a :class:`DynamicSampling`; ``group_size >= 2``).
     """
 
-    def __init__(self, batch_size: int, max_steps: int, *, group_size: int = 1, is_fixed_width: bool = True) -> None:
+    def __init__(self, batch_size: int, max_steps: int, *, group_size: int = 1, is_fixed_width: bool = True,
+                 dynamic_sampling: DynamicSampling | None = None) -> None:  # fmt: skip
         if batch_size % group_size:
             raise ValueError(f"batch_size={batch_size} is not a multiple of group_size={group_size}")
+        if dynamic_sampling is not None and group_size < 2:
+            raise ValueError(f"dynamic_sampling needs group_size >= 2, got group_size={group_size}")
+        self.sampling = None if dynamic_sampling is None else SpreadFilter(dynamic_sampling, batch_size // group_size)
+        self._score_name: str | None = None  # the flat name of the reward a trajectory's score sums
+        self._score_column: tuple | None = None  # where it is in the packed store: (dtype, column)
         self.batch_size, self.max_steps, self.is_fixed_width = batch_size, max_steps, is_fixed_width
         self.group_size = group_size
         self.store: _Segment | None = None  # packed rows of trajectories written step by step
@@ -67,7 +77,7 @@ class TrajectoryRecorder:
         self.free: list[int] = []
         self._packer: Packer | None = None
         self._id_columns: tuple | None = None  # where group and trajectory ids are in the store: (dtype, column) x 2
-        self.ready: list[tuple] = []  # (segment, row, length, group, traj) of complete groups
+        self.ready: list[tuple] = []  # (segment, row, length, group, traj, score) of complete groups
         self.waiting: dict[int, list[tuple]] = {}  # group -> its finished trajectories so far
         self.counters = {"dropped_groups": 0, "dropped_trajectories": 0}
         self._peeked = 0  # ready trajectories the last peek() gave
@@ -160,7 +170,9 @@ class TrajectoryRecorder:
         self._finish(self.store, finished, lengths, groups, trajs)
 
     def _finish(self, seg: _Segment, rows, lengths, groups, trajs) -> None:
-        entries = zip([seg] * len(rows), rows.tolist(), lengths.tolist(), groups.tolist(), trajs.tolist(), strict=True)
+        scores = [None] * len(rows) if self.sampling is None else self._scores(seg, rows, lengths)
+        entries = zip([seg] * len(rows), rows.tolist(), lengths.tolist(), groups.tolist(), trajs.tolist(), scores,
+                      strict=True)  # fmt: skip
         if self.group_size == 1:
             self.ready.extend(entries)
             return
@@ -168,7 +180,26 @@ class TrajectoryRecorder:
             members = self.waiting.setdefault(entry[3], [])
             members.append(entry)
             if len(members) == self.group_size:
-                self.ready.extend(self.waiting.pop(entry[3]))
+                group = self.waiting.pop(entry[3])
+                if self.sampling is None or self.sampling.keep([e[5] for e in group]):
+                    self.ready.extend(group)
+                else:  # no reward spread: dropped here, counted by the filter
+                    self.free += [e[1] for e in group if e[0] is self.store]
+
+    def _scores(self, seg: _Segment, rows: torch.Tensor, lengths: torch.Tensor) -> list[float]:
+        """The finished trajectories' rewards summed over their steps (a view of the rewards, no copy first)."""
+        if self._score_name is None:
+            names = set(seg.tensors) if not seg.is_packed else {n for ns in self._packer.groups.values() for n, _ in ns}
+            self._score_name = self.sampling.score_name(names)
+        if seg.is_packed:
+            if self._score_column is None:
+                self._score_column = self._packer.column(self._score_name)
+            dtype, column = self._score_column
+            rewards = seg.tensors[dtype][:, :, column]  # (R, T_max): older steps past each end are not summed
+        else:
+            rewards = seg.tensors[self._score_name]
+            rewards = rewards.reshape(rewards.shape[0], rewards.shape[1])  # (B, Tn), a view
+        return self.sampling.scores(rewards, rows, lengths)
 
     def drop_groups(self, groups) -> int:
         """Drop the waiting trajectories of ``groups`` (groups that can no longer complete); returns how many."""
@@ -215,7 +246,15 @@ class TrajectoryRecorder:
         """Drop the trajectories :meth:`peek` gave (they were delivered); their store rows are free again."""
         take, self.ready = self.ready[: self._peeked], self.ready[self._peeked :]
         self.free += [e[1] for e in take if e[0] is self.store]
+        if self.sampling is not None:
+            self.sampling.commit(self._peeked, self.batch_size)
         self._peeked = 0
+
+    def check_draws(self) -> None:
+        """With dynamic sampling, raise :class:`~tokengym.errors.DynamicSamplingError` once the draw bound is
+        reached before the batch is full (call it between source advances)."""
+        if self.sampling is not None:
+            self.sampling.check_bound(len(self.ready) // self.group_size)
 
     def _assemble(self, take: list[tuple], width: int, mask: torch.Tensor) -> dict:
         """Per flat name, the rows of ``take`` in order, cut or zero-padded to ``width``: the wave's tensors as
@@ -283,10 +322,12 @@ class TrajectoryRecorder:
         if self.store is not None:
             live = self._packer.unpack({dt: v[self.row_of_slot] for dt, v in self.store.tensors.items()})
         return {"live": live, "queued": queued, "entries": [list(e[2:]) for e in entries],
-                "num_ready": len(self.ready), "counters": dict(self.counters)}  # fmt: skip
+                "num_ready": len(self.ready), "counters": dict(self.counters),
+                "sampling": None if self.sampling is None else self.sampling.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.store, self.row_of_slot, self.free, self._packer, self._id_columns = None, None, [], None, None
+        self._score_column = None
         self._peeked = 0
         if state["live"] is not None:
             self._packer = Packer(state["live"])  # (B, T_max, ...) per key
@@ -294,8 +335,10 @@ class TrajectoryRecorder:
             self.store = _Segment(packed, is_packed=True)
             self.row_of_slot = torch.arange(packed[next(iter(packed))].shape[0])
         seg = None if state["queued"] is None else _Segment(state["queued"])
-        entries = [(seg, i, n, g, t) for i, (n, g, t) in enumerate(state["entries"])]
+        entries = [(seg, i, *e, None)[:6] for i, e in enumerate(state["entries"])]  # (length, group, traj[, score])
         self.ready, self.waiting = entries[: state["num_ready"]], {}
         for e in entries[state["num_ready"] :]:
             self.waiting.setdefault(e[3], []).append(e)
         self.counters.update(state.get("counters", {}))
+        if self.sampling is not None and state.get("sampling") is not None:
+            self.sampling.load_state_dict(state["sampling"])

@@ -11,6 +11,7 @@ policy) and exported here only::
         print(err)
 """
 
+from tokengym.collectors.dynamic_sampling import DynamicSamplingError
 from tokengym.collectors.policies.vllm_server_policy import NoServerError
 from tokengym.llm_envs.adapters._episodes import EpisodeError
 from tokengym.llm_envs.errors import (
@@ -23,6 +24,7 @@ from tokengym.llm_envs.errors import (
 
 __all__ = [
     "ContractError",
+    "DynamicSamplingError",
     "EpisodeError",
     "NoServerError",
     "PromptError",

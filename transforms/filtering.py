@@ -31,8 +31,11 @@ class FilterMode(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we suppo
 
 
 class ZeroStdGroupFilter(BatchTransform):
-    """DAPO dynamic sampling: filter groups whose trajectory scores all equal (no learning signal).
+    """DAPO dynamic sampling, the filter form: filter groups whose trajectory scores all equal (no learning signal).
 
+    Dropped groups shrink the batch. The sampler form, which draws on until the batch holds ``N`` groups with
+    reward spread (bounded, counted in the metrics), is a collector option:
+    ``CollectorOptions(dynamic_sampling=DynamicSampling())`` (:class:`~tokengym.collectors.DynamicSampling`).
     A group of a single sample counts as zero-variance. Group statistics are float64, so a group of
     equal scores has a std of exactly 0 and is filtered with the default ``eps=0``. After
     :class:`~tokengym.transforms.KLRewardTransform`, pass ``reward_key=keys.REWARD_RAW``: the KL
