@@ -127,7 +127,7 @@ class TransformersPolicy(TensorDictModuleBase):
         picked = logp.gather(-1, batch.get(keys.ACTION)[..., None]).squeeze(-1) * mask
         if not with_entropy:
             return picked
-        entropy = -(logp.exp() * logp).sum(-1) * mask
+        entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1) * mask  # -inf logits (padding, banned): p log p = 0
         return picked, entropy
 
     # -- whole waves (generate-then-unroll) --
