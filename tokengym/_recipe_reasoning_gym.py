@@ -28,7 +28,7 @@ from torchrl.objectives import ClipPPOLoss
 
 from tokengym import training
 from tokengym._demo import warm_start
-from tokengym.collectors import TokenCollector
+from tokengym.collectors import CollectorOptions, DynamicSampling, TokenCollector
 from tokengym.collectors.policies import SamplingConfig, SequenceActor, TransformersPolicy
 from tokengym.evaluation import Evaluation, evaluate
 from tokengym.llm_envs import PromptSource, TokenEnv
@@ -80,6 +80,9 @@ class RecipeConfig:
     """Sampled answers per held-out problem for the final pass@k / mean@k / maj@k (at ``temperature``)."""
     seeds: int = 1
     """Seeds to run (from ``seed``); more than 1 also runs a random-reward control per seed and prints the table."""
+    dynamic_sampling: bool = False
+    """Batches of groups whose rewards spread only (DAPO; tokengym.collectors.DynamicSampling, at most 10 batches' worth
+    of groups drawn per batch). Off by default: with chain_sum at temperature 1 it draws 1.04 groups per kept one."""
 
     def __post_init__(self) -> None:
         for name in ("iterations", "epochs", "trajectories", "group_size", "max_new_tokens", "eval_every", "warmup_iterations",
@@ -166,7 +169,9 @@ def build(config: RecipeConfig, model, tok, reward: ReasoningGymReward, train_pr
     policy = TransformersPolicy(model, env, sampling=SamplingConfig(temperature=config.temperature), seed=config.seed)
     kl = KLRewardTransform(controller=AdaptiveKLController(0.02, target=2.0, horizon=2000), ref_model=ref,
                            estimator="k3", pad_id=tok.pad_token_id)  # fmt: skip
-    collector = TokenCollector(env, policy, mode="trajectories", batch_size=config.trajectories, postproc=kl)
+    options = CollectorOptions(dynamic_sampling=DynamicSampling(max_num_gen_batches=10)) if config.dynamic_sampling else None
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=config.trajectories, postproc=kl,
+                               options=options)  # fmt: skip
     loss = ClipPPOLoss(SequenceActor(model, pad_token_id=tok.pad_token_id, temperature=config.temperature), critic_network=None,
                        entropy_bonus=False, functional=False, clip_epsilon=0.2)  # fmt: skip
     optim = torch.optim.Adam(model.parameters(), lr=config.lr)

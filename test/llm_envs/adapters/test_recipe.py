@@ -33,6 +33,19 @@ def test_seed_table_runs_both_arms_from_one_warm_start(capsys):
     assert "CPU:" in out and "torch CPU capability" in out
 
 
+def test_quick_run_with_dynamic_sampling_trains_on_spread_groups_only():
+    from tokengym._recipe_reasoning_gym import build, warm_started
+
+    config = RecipeConfig(iterations=1, trajectories=16, warm_start_steps=150, dynamic_sampling=True, samples=2)
+    problems, tok, reward, model, _ = warm_started(config, log=lambda _line: None)
+    collector, _, _ = build(config, model, tok, reward, problems[0])
+    batch = next(iter(collector))
+    score = batch["next", "reward_raw"].squeeze(-1).sum(1).reshape(-1, config.group_size)
+    assert bool((score.max(1).values > score.min(1).values).all())
+    assert collector.metrics["kept_groups"] == 2 and collector.metrics["drawn_groups"] >= 2
+    collector.shutdown()
+
+
 def test_random_reward_is_seeded_and_ignores_the_response():
     a, b = RandomReward(3), RandomReward(3)
     first = a(["x"] * 64, [""] * 64, [{}] * 64)
