@@ -16,6 +16,12 @@ def context_limit(tokenizer, model_config) -> int:
     return int(min(limit, 1 << 16))
 
 
+def first_non_finite(values: torch.Tensor) -> int | None:
+    """Index of the first NaN or infinity of a 1-D tensor, or ``None`` when every value is finite."""
+    finite = torch.isfinite(values)
+    return None if bool(finite.all()) else int((~finite).nonzero()[0])
+
+
 def check_rewards(values, slots: list[int], prompts: list[Prompt]) -> torch.Tensor:
     n, first = len(slots), f"slots {slots} (first: prompt {prompts[0].index} {prompts[0].text[:60]!r})"
     try:
@@ -28,8 +34,8 @@ def check_rewards(values, slots: list[int], prompts: list[Prompt]) -> torch.Tens
             f"reward_fn returned {out.numel()} values for {n} finished responses in {first}; "
             "return one float per response"
         )
-    if not bool(torch.isfinite(out).all()):
-        bad = int((~torch.isfinite(out)).nonzero()[0])
+    bad = first_non_finite(out)
+    if bad is not None:
         raise RewardFunctionError(
             f"reward_fn returned {out[bad].item()} for slot {slots[bad]}, prompt {prompts[bad].index} "
             f"{prompts[bad].text[:60]!r}; rewards must be finite"

@@ -141,13 +141,9 @@ def evaluate_problems(model, tok, reward, problems: list[dict], max_new_tokens: 
     source = PromptSource(problems, tok, group_size=n, epochs=1)
     env = TokenEnv(source, tok, reward, batch_size=n * max(1, 64 // n), max_new_tokens=max_new_tokens, max_length=96,
                    model_config=model.config)  # fmt: skip
-    return evaluate(env, TransformersPolicy(model, env, sampling=sampling, seed=seed), answer_fn=_answer)
-
-
-def _answer(text: str) -> str:
-    """The answer a response states (what is inside ``<answer>...</answer>``, else the text), for maj@k."""
-    start, end = text.find("<answer>"), text.find("</answer>")
-    return text[start + 8 : end].strip() if 0 <= start < end else text.strip()
+    # maj@k votes on the answer the reward scores (the last <answer>...</answer>), else on the whole text
+    return evaluate(env, TransformersPolicy(model, env, sampling=sampling, seed=seed),
+                    answer_fn=lambda text: reward.extract(text) or text.strip())  # fmt: skip
 
 
 class RandomReward:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from tokengym.llm_envs._env_checks import first_non_finite
 from tokengym.llm_envs.errors import RewardFunctionError
 from tokengym.llm_envs.prompts import Prompt
 
@@ -191,8 +192,8 @@ def check_turns(results, turns: FinishedTurns, *, who: str = "the turn handler")
 
 
 def _finite(rewards: torch.Tensor, turns: FinishedTurns, who: str) -> torch.Tensor:
-    if not bool(torch.isfinite(rewards).all()):
-        bad = int((~torch.isfinite(rewards)).nonzero()[0])
+    bad = first_non_finite(rewards)
+    if bad is not None:
         raise RewardFunctionError(
             f"{who} gave reward {rewards[bad].item()} for slot {turns.slots[bad]}; rewards must be finite "
             f"({turns.describe(bad)})"
