@@ -1,9 +1,9 @@
 """What every vLLM backend (in-process engine, running servers) asks of vLLM and gets back, in one place.
 
-Per-request seeds, the sampling fields a :class:`~tokengym.collectors.SamplingConfig` maps to, the checks
-that keep ``action_log_prob`` meaning the log-prob of the distribution sampled from, the budget check of a
-wave and the :class:`~tokengym.llm_envs.waves.WaveResult` built from the token ids and log-probs vLLM
-returns. :class:`~tokengym.collectors.policies.vllm_policy.VLLMPolicy` and
+Per-request seeds, the model's head size (vLLM's CPU attention runs a fixed set), the sampling fields a
+:class:`~tokengym.collectors.SamplingConfig` maps to, the checks that keep ``action_log_prob`` meaning the
+log-prob of the distribution sampled from, the budget check of a wave and the
+:class:`~tokengym.llm_envs.waves.WaveResult` built from the token ids and log-probs vLLM returns. :class:`~tokengym.collectors.policies.vllm_policy.VLLMPolicy` and
 :class:`~tokengym.collectors.policies.vllm_server_policy.VLLMServerPolicy` both use these, so a wave
 means the same on either.
 """
@@ -11,14 +11,16 @@ means the same on either.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 
 import torch
 
 from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
-__all__ = ["LOGPROBS_MODES", "SEED_STRIDE", "check_budgets", "check_greedy", "check_logprobs_mode", "empty_result",
-           "is_unmodified", "request_seeds", "sampling_fields", "wave_result"]  # fmt: skip
+__all__ = ["LOGPROBS_MODES", "SEED_STRIDE", "check_budgets", "check_greedy", "check_head_size", "check_logprobs_mode",
+           "empty_result", "is_unmodified", "model_dir_config", "request_seeds", "sampling_fields", "wave_result"]  # fmt: skip
 
 SEED_STRIDE = 1 << 32  # request seeds: policy seed * stride + request counter (distinct per request)
 _SEED_RANGE = 1 << 63  # seeds stay within int64: a vLLM server refuses larger ones
@@ -34,6 +36,46 @@ def request_seeds(seed: int, first: int, n: int, *, greedy: bool) -> list[int | 
         True
     """
     return [None if greedy else (seed * SEED_STRIDE + first + i) % _SEED_RANGE for i in range(n)]
+
+
+def model_dir_config(model_dir) -> dict:
+    """The ``config.json`` of a local model directory as a dict; ``{}`` when there is none (vLLM names what is missing)."""
+    path = os.path.join(os.fspath(model_dir), "config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def check_head_size(config: dict, what: str, *, is_cpu: bool | None = None) -> None:
+    """Refuse a model whose attention head size vLLM's CPU attention cannot run: such a model loads, then the
+    engine dies at its first request (``Unsupported CPU attention configuration``).
+
+    Args:
+        config: the model's config (``config.json`` as a dict).
+        what: names the model in the message.
+        is_cpu: whether the engine runs on vLLM's CPU backend; ``None``: this process's vLLM build decides.
+            Nothing is checked off the CPU backend, or where vLLM is not installed here (the head sizes it runs
+            are vLLM's to say).
+    """
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    head = config.get("head_dim") or (hidden // heads if heads and hidden else None)
+    if head is None or is_cpu is False:
+        return
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return
+    if is_cpu is None and not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in supported:
+        raise ValueError(f"{what} has attention head size {head} (hidden_size {hidden} / {heads} heads), which vLLM's CPU "
+                         f"attention cannot run (it runs {supported}): its engine would die at the first request; use a "
+                         "model with one of those head sizes, e.g. tokengym.testing.tiny_model(tok, size='small') "
+                         "(head size 64), or TransformersPolicy on CPU")  # fmt: skip
 
 
 def sampling_fields(s: SamplingConfig) -> dict:

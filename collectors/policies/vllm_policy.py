@@ -34,9 +34,11 @@ from tokengym.collectors.policies._vllm_engine import (
 from tokengym.collectors.policies._vllm_requests import (
     check_budgets,
     check_greedy,
+    check_head_size,
     check_logprobs_mode,
     empty_result,
     is_unmodified,
+    model_dir_config,
     sampling_fields,
     wave_result,
 )
@@ -108,7 +110,7 @@ class VLLMPolicy:
         self.is_unmodified = is_unmodified(self.sampling)
         self._vllm = import_vllm()
         if isinstance(model, str | os.PathLike):
-            _check_head_size(_dir_config(model), f"the model in {os.fspath(model)!r}")  # before a minute of start-up
+            check_head_size(model_dir_config(model), f"the model in {os.fspath(model)!r}")  # before a minute of start-up
             engine_kwargs = dict(engine_kwargs or {})
             check_logprobs_mode(engine_kwargs.get("logprobs_mode", "processed_logprobs"), self.is_unmodified)
             self.llm = start_engine(model, max_model_len=int(self.env.max_length), seed=seed, engine_kwargs=engine_kwargs)
@@ -132,7 +134,7 @@ class VLLMPolicy:
 
     def _check_engine(self) -> None:
         model_config = self.llm.llm_engine.model_config
-        _check_head_size(model_config.hf_config.to_dict(), "the engine's model")
+        check_head_size(model_config.hf_config.to_dict(), "the engine's model")
         self.max_model_len = int(model_config.max_model_len)
         check_logprobs_mode(model_config.logprobs_mode, self.is_unmodified)
         # the engine's tokenizer only finds stop strings; without one the env alone does
@@ -229,29 +231,3 @@ class VLLMPolicy:
         if llm is not None and self.is_engine_owned:
             stop_engine(llm)
 
-
-def _dir_config(model) -> dict:
-    path = os.path.join(os.fspath(model), "config.json")
-    if not os.path.isfile(path):
-        return {}  # vLLM names what is missing
-    import json
-
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _check_head_size(config: dict, what: str) -> None:
-    """vLLM's CPU attention runs a fixed set of head sizes; another fails at the first batch with a raw error."""
-    from vllm.platforms import current_platform
-
-    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
-    head = config.get("head_dim") or (hidden // heads if heads and hidden else None)
-    if head is None or not current_platform.is_cpu():
-        return
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    supported = CPUAttentionBackend.get_supported_head_sizes()
-    if head not in supported:
-        raise ValueError(f"{what} has attention head size {head} (hidden_size {hidden} / {heads} heads), which vLLM's CPU "
-                         f"attention cannot run (it runs {supported}); use a model with one of those head sizes, e.g. "
-                         "tokengym.testing.tiny_model(tok, size='small') (64), or TransformersPolicy on CPU")  # fmt: skip
