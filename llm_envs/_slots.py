@@ -100,6 +100,21 @@ class Slots:
         # until a collector takes them (bounded: the oldest go first)
         self.finished: dict[int, torch.Tensor] = {}
         self.max_finished = 4096
+        self.log_probs: torch.Tensor | None = None  # (B, L) sampling log-prob of each generated token, if kept
+
+    def keep_log_probs(self) -> None:
+        """Keep each generated token's sampling log-prob beside it (a turn handler that replies with them)."""
+        self.log_probs = torch.zeros(self.tokens.shape)
+
+    def write_log_probs(self, pos: torch.Tensor, log_probs: torch.Tensor) -> None:
+        """Write log-probs at flat positions ``pos`` (as the tokens of a step)."""
+        self.log_probs.view(-1).index_copy_(0, pos, log_probs.detach().reshape(-1).float())
+
+    def write_wave_log_probs(self, start: torch.Tensor, end: torch.Tensor, log_probs: torch.Tensor) -> None:
+        """Write a wave's (B, T) log-probs at positions ``start[b] .. end[b]`` of each slot."""
+        for b, (s, e) in enumerate(zip(start.tolist(), end.tolist(), strict=True)):
+            if e > s:
+                self.log_probs[b, s:e] = log_probs[b, : e - s]
 
     def copy_on_write(self) -> None:
         """Replace the state tensors by copies before writing slots (earlier observations keep theirs)."""

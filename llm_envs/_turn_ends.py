@@ -44,7 +44,7 @@ class TurnEnds:
         finished = (ended | limited | cut).nonzero().squeeze(-1).tolist()
         if not finished:
             return TurnEnd(terminated=terminated, truncated=truncated, reward=reward)
-        turns = self.finished_turns(finished, limited, new_len)
+        turns = self.finished_turns(finished, limited, new_len, ended)
         rewards, results = check_turns(handler.end_turns(turns), turns, who=handler.name)
         reward[finished, 0] = rewards
         if self.renderer is None:
@@ -60,8 +60,9 @@ class TurnEnds:
         self.slots.archive(terminated | truncated, new_len)
         return TurnEnd(terminated=terminated, truncated=truncated, reward=reward, appended=appended)
 
-    def finished_turns(self, slots: list[int], limited: torch.Tensor, new_len: torch.Tensor) -> FinishedTurns:
-        """The handler's view of the turns of ``slots`` ending at lengths ``new_len``."""
+    def finished_turns(self, slots: list[int], limited: torch.Tensor, new_len: torch.Tensor,
+                       ended: torch.Tensor) -> FinishedTurns:  # fmt: skip
+        """The handler's view of the turns of ``slots`` ending at lengths ``new_len`` (``ended``: on an end id)."""
         s, tokens = self.slots.state, self.slots.tokens
         starts, ends, all_trajs = s[keys.PROMPT_LEN].tolist(), new_len.tolist(), s[keys.TRAJ_ID].tolist()  # three reads
         trajs = [all_trajs[b] for b in slots]
@@ -71,8 +72,11 @@ class TurnEnds:
             index = torch.tensor(slots)
             turns, is_limited = s[keys.TURN][index].tolist(), limited[index].tolist()
             final = [lim or t + 1 >= self.max_turns for lim, t in zip(is_limited, turns, strict=True)]
+        log_probs = self.slots.log_probs
+        turn_log_probs = None if log_probs is None else (lambda b: log_probs[b, starts[b] : ends[b]].tolist())
         return FinishedTurns(slots, turns, [self.slots.prompts[b] for b in slots], [tokens[b, starts[b] : ends[b]] for b in slots],
-                             final, trajs, decode=self.decode, history=lambda b: tokens[b, : ends[b]])  # fmt: skip
+                             final, trajs, decode=self.decode, history=lambda b: tokens[b, : ends[b]],
+                             ended=ended[slots].tolist(), log_probs=turn_log_probs)  # fmt: skip
 
     def feedback(self, turns: FinishedTurns, results: list[Turn], new_len: torch.Tensor, *, who: str) -> dict[int, torch.Tensor]:
         """The ids to append per continuing slot: feedback given, the episode not over, and it fits."""

@@ -30,7 +30,8 @@ from transformers import (
     Qwen2ForSequenceClassification,
 )
 
-__all__ = ["tiny_tokenizer", "tiny_model", "tiny_reward_model", "CHAT_TEMPLATE", "SIZES", "FAMILIES", "VOCAB_SIZES"]
+__all__ = ["tiny_tokenizer", "tiny_model", "tiny_reward_model", "CHAT_TEMPLATE", "TOOL_CHAT_TEMPLATE", "SIZES", "FAMILIES",
+           "VOCAB_SIZES"]  # fmt: skip
 
 PAD, EOS, BOS = "<|pad|>", "<|endoftext|>", "<|bos|>"
 USER, ASSISTANT, SYSTEM, TOOL, END_TURN = "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>", "<|end|>"
@@ -42,6 +43,27 @@ CHAT_TEMPLATE = (
     "{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+# Qwen2.5's tool-use template in the tiny tokenizer's role markers: tool schemas in the system turn, Hermes
+# <tool_call> JSON in assistant turns, consecutive tool results in one <|tool|> turn (set tokenizer.chat_template)
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|system|>{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\nCall tools as "
+    "<tool_call>\n{\"name\": <name>, \"arguments\": <args>}\n</tool_call><|end|>"
+    "{%- elif messages[0]['role'] == 'system' %}<|system|>{{ messages[0]['content'] }}<|end|>{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'user' or (m['role'] == 'system' and not loop.first) or (m['role'] == 'assistant' and "
+    "not (m['tool_calls'] is defined and m['tool_calls'])) %}{{ '<|' + m['role'] + '|>' + (m['content'] or '') + '<|end|>' }}"
+    "{%- elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] or '' }}{% for tc in m['tool_calls'] %}"
+    "{% set f = tc['function'] if tc['function'] is defined else tc %}<tool_call>\n{\"name\": \"{{ f['name'] }}\", "
+    "\"arguments\": {{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}<|end|>"
+    "{%- elif m['role'] == 'tool' %}{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|tool|>{% endif %}"
+    "<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|end|>{% endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
 SIZES = {

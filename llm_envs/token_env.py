@@ -54,7 +54,7 @@ class TokenEnv(EnvBase):
         tokenizer: a transformers tokenizer with ``pad_token_id`` and ``eos_token_id``.
         reward_fn: ``fn(responses, prompts, metadata) -> floats`` (one per finished slot), a TRL reward
             function ``f(prompts, completions, **columns)`` (detected by its ``completions`` parameter and
-            called as TRL calls it, see :mod:`~tokengym.llm_envs.trl_rewards`), or ``None``.
+            called as TRL calls it, see :func:`~tokengym.llm_envs.from_trl_reward`), or ``None``.
         turns: the turn handler (:class:`~tokengym.llm_envs.turns.TurnHandler`) instead of ``reward_fn``: it
             scores finished turns and may answer with feedback (multi-turn, tools, external episodes).
         max_turns: turns per episode (>= 1); a multi-turn env also ends a turn on the chat template's
@@ -164,6 +164,8 @@ class TokenEnv(EnvBase):
         self._loader = PromptLoader(self._slots, max_length=self.max_length, vocab_size=self.vocab_size)
         self._turn_ends = TurnEnds(self._slots, self._renderer, max_turns=self.max_turns, max_length=self.max_length,
                                    vocab_size=self.vocab_size, decode=self.decode_responses)  # fmt: skip
+        if self.turns.wants_log_probs:
+            self._slots.keep_log_probs()
         self._eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)
         self._reset_td = None
         self._decoder: ResponseDecoder | None = None
@@ -226,7 +228,7 @@ class TokenEnv(EnvBase):
         return self._slots.prompts[slot]
 
     def response_ids(self, slot: int) -> torch.Tensor:
-        """Token ids generated so far in ``slot``'s current turn (a view into :attr:`tokens`)."""
+        """Token ids generated so far in ``slot``'s current turn (a view into ``tokens``)."""
         s = self._slots.state
         return self._slots.tokens[slot, int(s[keys.PROMPT_LEN][slot]) : int(s[keys.SEQ_LEN][slot])]
 
@@ -246,7 +248,7 @@ class TokenEnv(EnvBase):
 
     def render(self, feedback: str, role: str = "user") -> torch.Tensor:
         """Token ids of a feedback message plus the generation prompt, as the chat template writes them
-        after an assistant turn (no default system prompt repeated); ``"\n{feedback}\n"`` without a template.
+        after an assistant turn (no default system prompt repeated); ``"\\n{feedback}\\n"`` without a template.
 
         Example:
             >>> from tokengym.testing import tiny_tokenizer
@@ -425,6 +427,8 @@ class TokenEnv(EnvBase):
         pos = self._slots.row_start + seq_len
         previous = self._slots.flat.index_select(0, pos)  # kept for a rollback
         self._slots.flat.index_copy_(0, pos, action if rt.all_active else torch.where(active, action, previous))
+        if rt.log_probs is not None and (log_prob := tensordict.get(keys.ACTION_LOG_PROB, None)) is not None:
+            rt.write_log_probs(pos, log_prob)
         if rt.all_active:
             new_len, resp_len = seq_len + 1, s[keys.RESPONSE_LEN] + 1
             ended = is_any(action, self._eos)
@@ -492,7 +496,10 @@ class TokenEnv(EnvBase):
         if not self._slots.is_reset:
             raise ResetNeeded("TokenEnv.unroll before reset(); call env.reset() first")
         wave = WaveSteps.from_result(request, result, self.batch_size[0])
+        start = self._slots.state[keys.SEQ_LEN]
         steps = unroll_wave(wave, self._slots.state, self._slots.tokens, self._unroll_rules())
+        if self._slots.log_probs is not None:
+            self._slots.write_wave_log_probs(start, steps.new_len, wave.log_probs)
         try:
             end = self._turn_ends.answer(self.turns, steps.ended, steps.limited, steps.new_len, steps.cut)
         except RewardFunctionError:

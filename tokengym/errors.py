@@ -14,6 +14,7 @@ policy) and exported here only::
 from tokengym.collectors.dynamic_sampling import DynamicSamplingError
 from tokengym.collectors.policies.vllm_server_policy import NoServerError
 from tokengym.llm_envs.adapters._episodes import EpisodeError
+from tokengym.llm_envs.agents.agent_env import AgentError
 from tokengym.llm_envs.errors import (
     ContractError,
     PromptError,
@@ -23,6 +24,7 @@ from tokengym.llm_envs.errors import (
 )
 
 __all__ = [
+    "AgentError",
     "ContractError",
     "DynamicSamplingError",
     "EpisodeError",

@@ -1,7 +1,17 @@
 """Offline tiny models and tokenizers, and synthetic collected batches, for tests, examples and benchmarks.
 
-Nothing is downloaded: the tokenizer and models come from :mod:`tokengym.llm_envs.tiny_models`;
+Nothing is downloaded: the tokenizer and models come from ``tokengym.llm_envs.tiny_models``;
 :func:`make_trajectory_batch` builds a collected batch without an env or a model.
+
+vLLM (in process, ``VLLMPolicy``, or a server, ``LocalVLLMServer`` + ``VLLMServerPolicy``) serves
+``tiny_model(tok, size="small")`` on CPU: its head size is 64, and vLLM's CPU attention runs head sizes of 32 and up
+(32, 64, 80, ...). The default ``size="tiny"`` has head size 16: ``VLLMPolicy`` and ``VLLMServerPolicy`` refuse it at
+construction (a server would load it, then its engine would die at the first request). Save the model and the
+tokenizer with ``save_pretrained`` into one directory for vLLM::
+
+    tok = tiny_tokenizer(); model = tiny_model(tok, size="small")
+    model.save_pretrained(path); tok.save_pretrained(path)
+    with LocalVLLMServer(path) as server: ...
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from tokengym.llm_envs.tiny_models import (
     CHAT_TEMPLATE,
     FAMILIES,
     SIZES,
+    TOOL_CHAT_TEMPLATE,
     tiny_model,
     tiny_reward_model,
     tiny_tokenizer,
@@ -24,6 +35,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "FAMILIES",
     "SIZES",
+    "TOOL_CHAT_TEMPLATE",
     "make_trajectory_batch",
     "tiny_model",
     "tiny_reward_model",

@@ -23,11 +23,12 @@ before slots start their trajectories over, :meth:`TurnHandler.close` with the e
 serves its own prompts (an external episode's first observation) gives them through the env's prompt
 source, as :mod:`tokengym.llm_envs.adapters` does.
 
-For agent programs (a loop of OpenAI-style chat calls), a handler can render the next request's messages
-itself against the slot's tokens (:meth:`FinishedTurns.history`) and answer with token ids as feedback.
-Not in the protocol yet, and the next to add for them: a turn whose answer is not ready when the turn ends
-(the slot waits, neither live nor done, until the program's next call) and an episode that ends one
-trajectory and goes on in a new one (a program that rewrites its history).
+Agent programs (a loop of OpenAI-style chat calls, :mod:`tokengym.llm_envs.agents`) are one more handler:
+its :meth:`TurnHandler.end_turns` answers each finished turn's pending chat call, then waits for each program's
+next move (every program runs on, concurrently, while it waits): a call continues the episode with feedback
+token ids rendered against the slot's tokens (:meth:`FinishedTurns.history`), a return ends it with that
+reward. :attr:`FinishedTurns.ended` says whether an end id or a limit ended a turn, and a handler with
+:attr:`TurnHandler.wants_log_probs` gets each turn's sampling log-probs (:meth:`FinishedTurns.log_probs`).
 """
 
 from __future__ import annotations
@@ -97,14 +98,17 @@ class FinishedTurns:
         is_final: True where the episode ends whatever the handler answers (its budget, the context limit
             or ``max_turns`` reached): its feedback would not be written.
         trajectories: each slot's trajectory id.
+        ended: True where the turn ended on an end id or a stop string, False where a limit cut it.
     """
 
     def __init__(self, slots: list[int], turns: list[int], prompts: list[Prompt], response_ids: list[torch.Tensor],
                  is_final: list[bool], trajectories: list[int], *, decode: Callable[[list[torch.Tensor]], list[str]],
-                 history: Callable[[int], torch.Tensor]) -> None:  # fmt: skip
+                 history: Callable[[int], torch.Tensor], ended: list[bool] | None = None,
+                 log_probs: Callable[[int], list[float] | None] | None = None) -> None:  # fmt: skip
         self.slots, self.turns, self.prompts, self.response_ids = slots, turns, prompts, response_ids
         self.is_final, self.trajectories = is_final, trajectories
-        self._decode, self._history, self._responses = decode, history, None
+        self.ended = [True] * len(slots) if ended is None else ended
+        self._decode, self._history, self._responses, self._log_probs = decode, history, None, log_probs
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -125,6 +129,11 @@ class FinishedTurns:
         """All token ids of entry ``i``'s slot so far (prompt, earlier turns and feedback, this turn): a view."""
         return self._history(self.slots[i])
 
+    def log_probs(self, i: int) -> list[float] | None:
+        """The sampling log-prob of each token of entry ``i``'s turn, when the handler asked for them
+        (:attr:`TurnHandler.wants_log_probs`) and the policy gave them; else ``None``."""
+        return None if self._log_probs is None else self._log_probs(self.slots[i])
+
     def describe(self, i: int = 0) -> str:
         """Entry ``i`` for an error message: prompt index and text, trajectory."""
         p = self.prompts[i]
@@ -139,6 +148,7 @@ class TurnHandler:
     """
 
     name = "the turn handler"  # what error messages call the handler's answers
+    wants_log_probs = False  #: True: the env keeps each turn's sampling log-probs (FinishedTurns.log_probs)
 
     def end_turns(self, turns: FinishedTurns) -> Sequence[Turn] | torch.Tensor:
         """One :class:`Turn` per finished turn, in the order of ``turns.slots``; or, when every episode ends
