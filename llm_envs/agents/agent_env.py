@@ -98,7 +98,7 @@ class AgentSource(PromptSource):
             self.runner.end(ep.id)
             raise AgentError(f"agent episode {ep.id} (task {draw.index}): its first call renders to {len(ids)} tokens, "
                              f"more than the env's prompt limit {limit}; raise max_length")  # fmt: skip
-        ep.messages, ep.tools = [dict(m) for m in value["messages"]], tools
+        ep.messages, ep.tools, ep.wants_log_probs = [dict(m) for m in value["messages"]], tools, bool(value.get("logprobs"))
         meta = {TASK_INDEX: draw.index, EPISODE: ep.id, **(dict(task) if isinstance(task, Mapping) else {})}
         return Prompt(ids, text, meta, draw.index, draw.group_id, draw.sample_id, list(ep.messages))
 
@@ -161,7 +161,7 @@ class AgentTurns(TurnHandler):
         message = assistant_message(parsed.content, parsed.tool_calls)
         ep.messages.append(message)
         history = len(turns.history(i))
-        log_probs = turns.log_probs(i)
+        log_probs = turns.log_probs(i) if ep.wants_log_probs else None
         tokens = None if log_probs is None else self.source.tokenizer.convert_ids_to_tokens(ids.tolist())
         return chat_reply(self.runner.model, message, finish, prompt_tokens=history - len(ids), token_ids=ids.tolist(),
                           log_probs=log_probs, tokens=tokens)  # fmt: skip
@@ -192,7 +192,7 @@ class AgentTurns(TurnHandler):
                 ep.answer(RequestRefused(f"{why}: the env ends episode {ep.id} here; return the reward",
                                          code="context_length_exceeded"))  # fmt: skip
                 continue
-            ep.messages = [dict(m) for m in value["messages"]]
+            ep.messages, ep.wants_log_probs = [dict(m) for m in value["messages"]], bool(value.get("logprobs"))
             return Turn(0.0, feedback=ids)
 
     def reward(self, ep: Episode, value, turn: int) -> float:

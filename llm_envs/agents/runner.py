@@ -52,6 +52,7 @@ class Episode:
         self.moves: queue.SimpleQueue = queue.SimpleQueue()
         self.messages: list[dict] = []
         self.tools = None
+        self.wants_log_probs = False  # the waiting call asked for logprobs
         self.reply: asyncio.Future | None = None
         self.closed = False
         self.handle = None  # the program's concurrent.futures.Future
