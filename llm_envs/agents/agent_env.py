@@ -62,6 +62,7 @@ class AgentSource(PromptSource):
                          chat_template_kwargs=chat_template_kwargs)  # fmt: skip
         self.runner, self.tasks = runner, tasks
         self.failures: collections.deque[AgentError] = collections.deque()
+        self.group_first: torch.Tensor | None = None  # the first call's ids of the group being drawn
         self.counts.update(agent_episodes=0, agent_errors=0)
 
     def episode_id(self, draw: Prompt) -> int:
@@ -98,9 +99,25 @@ class AgentSource(PromptSource):
             self.runner.end(ep.id)
             raise AgentError(f"agent episode {ep.id} (task {draw.index}): its first call renders to {len(ids)} tokens, "
                              f"more than the env's prompt limit {limit}; raise max_length")  # fmt: skip
+        self.check_group_prompt(draw, ids, ep)
         ep.messages, ep.tools, ep.wants_log_probs = [dict(m) for m in value["messages"]], tools, bool(value.get("logprobs"))
         meta = {TASK_INDEX: draw.index, EPISODE: ep.id, **(dict(task) if isinstance(task, Mapping) else {})}
         return Prompt(ids, text, meta, draw.index, draw.group_id, draw.sample_id, list(ep.messages))
+
+    def check_group_prompt(self, draw: Prompt, ids: torch.Tensor, ep: Episode) -> None:
+        """The episodes of one group (one task draw) must open with the same first call: a batch's prompt table
+        holds one prompt per group, and a group's advantages compare answers to one prompt."""
+        if draw.sample_id == 0:
+            self.group_first = ids
+        elif self.group_first is not None and not torch.equal(ids, self.group_first):
+            ep.answer(RequestRefused("this episode's first call differs from its group's first episode's",
+                                     code="group_prompt_differs"))  # fmt: skip
+            self.runner.end(ep.id)
+            self.counts["agent_errors"] += 1
+            raise AgentError(f"agent {self.runner.name}: episode {ep.id} (task {draw.index}, sample {draw.sample_id}) "
+                             f"opened with another first call than sample 0 of its group; the group_size episodes of a "
+                             "task must open with the same messages (make the first call depend on the task only, "
+                             "e.g. no random system prompt)")  # fmt: skip
 
     def fail(self, message: str, cause: BaseException | None = None) -> None:
         """Queue an episode's failure, raised at the next draw (the slot's refill)."""

@@ -227,3 +227,18 @@ def test_sixteen_agents_whose_tools_sleep_do_not_serialize(tool_tokenizer, tool_
     assert not errors and batch.shape[0] == 16 and batch[keys.REWARD].sum().item() == 16.0
     assert wall < 16 * sleep / 2, wall  # the sum of the sleeps is 8 s
     env.close()
+
+
+def test_episodes_of_a_group_must_open_alike(tool_tokenizer, tool_model):
+    async def agent(client, task):  # a random system prompt: each run of a task opens differently
+        import random
+
+        messages = [{"role": "system", "content": f"seed {random.random()}"}, *first_messages(task)]
+        await client.chat.completions.create(model="p", messages=messages)
+        return 1.0
+
+    env = _env(tool_tokenizer, tool_model, agent, group_size=2, batch_size=2, epochs=1)
+    with pytest.raises(PromptError) as info:
+        env.reset()
+    assert "must open with the same messages" in str(info.value.__cause__)
+    env.close()
