@@ -1,9 +1,15 @@
 """Collectors (``tokengym.collectors``): how batches are made; ``tokengym.collectors.policies`` holds how tokens
-are generated (policies, sampling, KV cache, vLLM, sequence actors)."""
+are generated (policies, sampling, KV cache, vLLM, sequence actors).
+
+The exceptions a collector's iteration raises beyond ``ValueError`` / ``TypeError`` are importable here and from
+:mod:`tokengym.errors`: :class:`NoServerError` (no vLLM server of a ``VLLMServerPolicy`` is left) and
+:class:`DynamicSamplingError` (dynamic sampling reached its draw bound).
+"""
 
 from tokengym.collectors.async_collector import AsyncCollector
 from tokengym.collectors.core import CollectMode, CollectorOptions, InFlight
-from tokengym.collectors.dynamic_sampling import DynamicSampling
+from tokengym.collectors.dynamic_sampling import DynamicSampling, DynamicSamplingError
+from tokengym.collectors.policies._server_options import NoServerError
 from tokengym.collectors.ray_collector import RayConfig, RayTokenCollector
 from tokengym.collectors.sources import SourceKind
 from tokengym.collectors.token_collector import TokenCollector
@@ -13,7 +19,9 @@ __all__ = [
     "CollectMode",
     "CollectorOptions",
     "DynamicSampling",
+    "DynamicSamplingError",
     "InFlight",
+    "NoServerError",
     "RayConfig",
     "RayTokenCollector",
     "SourceKind",

@@ -9,9 +9,10 @@ from tensordict import TensorDictBase
 
 from tokengym.llm_envs import keys
 
-__all__ = ["batch_metrics", "collector_metrics", "sum_counts"]
+__all__ = ["batch_metrics", "collector_metrics", "policy_counts", "sum_counts"]
 
 _NAN = float("nan")
+_GAUGES = {"servers_up": min}  # counters that are a state, not a sum: Ray workers sharing servers each count them all
 
 
 def batch_metrics(batch: TensorDictBase | None, elapsed: float, version: int, steps: int, *,
@@ -68,17 +69,26 @@ def collector_metrics(batch: TensorDictBase | None, elapsed: float, version: int
     return out
 
 
+def policy_counts(policy) -> dict[str, int | float]:
+    """A policy's counters (its optional ``counts()``: a server fleet's servers up, failovers, reloads...), which
+    the collector adds to its metrics; ``{}`` for a policy without them."""
+    counts = getattr(policy, "counts", None)
+    return dict(counts()) if callable(counts) else {}
+
+
 def sum_counts(parts) -> dict[str, int | float]:
-    """Counters of several collectors (Ray workers) added up, key by key.
+    """Counters of several collectors (Ray workers) added up, key by key; ``servers_up`` (workers share the
+    servers) is the smallest any worker reports.
 
     Example:
-        >>> sum_counts([{"failed_prompts": 1, "reward_errors": 0}, {"failed_prompts": 2, "reward_errors": 1}])
-        {'failed_prompts': 3, 'reward_errors': 1}
+        >>> sum_counts([{"failed_prompts": 1, "servers_up": 2}, {"failed_prompts": 2, "servers_up": 1}])
+        {'failed_prompts': 3, 'servers_up': 1}
     """
     out: dict[str, int | float] = {}
     for part in parts:
         for name, value in part.items():
-            out[name] = out.get(name, 0) + value
+            combine = _GAUGES.get(name)
+            out[name] = value if name not in out else combine(out[name], value) if combine else out[name] + value
     return out
 
 

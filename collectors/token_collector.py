@@ -10,6 +10,7 @@ import torch
 from tensordict import TensorDictBase
 
 from tokengym.collectors._checkpoint import collector_state, load_collector_state
+from tokengym.collectors._metrics import policy_counts
 from tokengym.collectors.core import (
     CollectMode,
     CollectorBase,
@@ -220,8 +221,9 @@ class TokenCollector(CollectorBase):
     def counts(self) -> dict[str, int]:
         """Failed prompts, dropped tokens, weight updates, the env's prompt counts (over-long prompts skipped or
         truncated, reward errors) and, in ``TRAJECTORIES`` mode, the groups dropped and trajectories waiting
-        (with dynamic sampling, its counts: groups drawn, kept, dropped for zero spread...)."""
-        out = {**self.counters, **self.base_env.prompt_counts}
+        (with dynamic sampling, its counts: groups drawn, kept, dropped for zero spread...), and the policy's own
+        counters (a server fleet's: servers up, failovers, reloads, requests sent again)."""
+        out = {**self.counters, **self.base_env.prompt_counts, **policy_counts(self.policy)}
         if isinstance(self.recorder, TrajectoryRecorder):
             out.update(self.recorder.counters, waiting_trajectories=self.recorder.num_waiting)
             if self.recorder.sampling is not None:

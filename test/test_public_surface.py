@@ -38,7 +38,13 @@ def _exports():
 
 
 # exceptions a user catches around a class of another package: exported there too (and from tokengym.errors)
-SECOND_HOMES = {"AgentError": "tokengym.llm_envs.agents"}  # make_agent_env
+SECOND_HOMES = {
+    "NoServerError": "tokengym.collectors",  # a collector's iteration (its VLLMServerPolicy) raises it
+    "DynamicSamplingError": "tokengym.collectors",
+    "RequestRejected": "tokengym.collectors.policies",  # VLLMServerPolicy
+    "EpisodeError": "tokengym.llm_envs.adapters",  # the adapters' envs
+    "AgentError": "tokengym.llm_envs.agents",  # make_agent_env
+}
 
 
 def test_every_public_name_has_one_home():
@@ -55,10 +61,18 @@ def test_the_top_level_re_exports_at_most_25_names_each_from_its_home():
     assert not homeless, f"top-level names with no subpackage home: {homeless}"
 
 
-def test_every_exception_is_exported_from_tokengym_errors_only():
+def test_every_exception_is_exported_from_tokengym_errors():
     exceptions = {name for name, where in _exports().values() if isinstance(getattr(importlib.import_module(where[0]), name), type)
                   and issubclass(getattr(importlib.import_module(where[0]), name), Exception)}  # fmt: skip
     assert exceptions == set(tokengym.errors.__all__), exceptions ^ set(tokengym.errors.__all__)
+
+
+def test_an_exception_is_importable_where_its_class_is():
+    from tokengym.collectors import NoServerError, TokenCollector  # noqa: F401  (what a collecting loop imports)
+    from tokengym.collectors.policies import RequestRejected, VLLMServerPolicy  # noqa: F401
+    from tokengym.errors import NoServerError as again
+
+    assert again is NoServerError and issubclass(RequestRejected, ValueError)
 
 
 def test_help_shows_the_real_signature_of_every_public_class():

@@ -1,7 +1,9 @@
 """Every exception tokengym raises beyond the built-in ``ValueError`` / ``TypeError`` / ``KeyError``: one home.
 
 The classes are defined where they are raised (``tokengym.llm_envs.errors``, the adapters, the server
-policy) and exported here only::
+policy) and exported here, every one of them; a few are also exported by the package of the class a user meets
+them from (``NoServerError`` and ``DynamicSamplingError`` from ``tokengym.collectors``, ``RequestRejected`` from
+``tokengym.collectors.policies``, ``EpisodeError`` from ``tokengym.llm_envs.adapters``, ``AgentError`` from ``tokengym.llm_envs.agents``)::
 
     from tokengym.errors import PromptError, RewardFunctionError
 
@@ -12,7 +14,7 @@ policy) and exported here only::
 """
 
 from tokengym.collectors.dynamic_sampling import DynamicSamplingError
-from tokengym.collectors.policies.vllm_server_policy import NoServerError
+from tokengym.collectors.policies._server_options import NoServerError, RequestRejected
 from tokengym.llm_envs.adapters._episodes import EpisodeError
 from tokengym.llm_envs.agents.agent_env import AgentError
 from tokengym.llm_envs.errors import (
@@ -30,6 +32,7 @@ __all__ = [
     "EpisodeError",
     "NoServerError",
     "PromptError",
+    "RequestRejected",
     "ResetNeeded",
     "RewardFunctionError",
     "TokenGymError",

@@ -2,13 +2,16 @@
 base; :class:`StepPolicy` and :class:`WavePolicy`; one "fits this env" check, :func:`check_fits_env`) and their
 backends — transformers with a per-slot KV cache (steps and waves), vLLM in-process and on running
 servers (waves), a policy
-stepped with a reference model, the sampler, and the sequence actors the losses read.
+stepped with a reference model, the sampler, the sequence actors the losses read, and LoRA (PEFT) models as
+policies (:mod:`~tokengym.collectors.policies.lora`).
 
 How batches are made (sources, recorders, the collector, Ray and async collection) lives one level up,
 in ``tokengym.collectors``.
 """
 
+from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies.kv_cache import SlotKVCache
+from tokengym.collectors.policies.lora import AdaptersDisabled, adapter_weights, merged_weights
 from tokengym.collectors.policies.protocol import (
     StepPolicy,
     TokenPolicy,
@@ -29,9 +32,11 @@ from tokengym.collectors.policies.vllm_server import LocalVLLMServer
 from tokengym.collectors.policies.vllm_server_policy import ServerOptions, VLLMServerPolicy
 
 __all__ = [
+    "AdaptersDisabled",
     "MaskedCategorical",
     "PaddedSequenceActor",
     "PolicyWithReference",
+    "RequestRejected",
     "SamplingConfig",
     "SequenceActor",
     "SlotKVCache",
@@ -44,9 +49,11 @@ __all__ = [
     "WavePolicy",
     "LocalVLLMServer",
     "ServerOptions",
+    "adapter_weights",
     "check_fits_env",
     "check_policy",
     "is_token_policy",
+    "merged_weights",
     "sample_tokens",
     "supports_cache_state",
     "supports_steps",

@@ -1,7 +1,10 @@
 """Start-up checks of a vLLM server against the env and the sampling: what the server says, and what it means.
 
 :func:`inspect_server` asks one server what it is: ``/health``; ``/v1/models`` (model id, ``max_model_len``);
-``/server_info`` (its log-prob mode, where the server exposes it: ``VLLM_SERVER_DEV_MODE=1``); the
+``/server_info`` (its log-prob mode and device, where the server exposes it: ``VLLM_SERVER_DEV_MODE=1``); the
+model's head size, from the ``config.json`` of the served model directory when it is a directory here (or
+``ServerOptions.checkpoint_dir``): vLLM's CPU attention runs a fixed set and its engine dies at the first
+request of another, so this is checked before any request reaches the engine; the
 vocabulary size (vLLM names it when a request's ``logit_bias`` holds an id past the vocabulary); a
 one-token probe restricted to one allowed id, whose log-prob is exactly 0 when the server reports
 processed log-probs; and ``/detokenize`` of probe ids spread over the vocabulary (the server finds stop
@@ -9,6 +12,9 @@ strings in the text it decodes, so it must decode as the env's tokenizer does). 
 plain dict, :func:`check_server` compares it with the env (through
 :func:`~tokengym.collectors.policies.protocol.check_fits_env`, as every backend does) and the sampling and
 raises a ``ValueError`` naming the server and the fix for anything that would give wrong tokens or log-probs.
+
+An HTTP server that is not vLLM (``/health`` or ``/v1/models`` missing, or not vLLM's answer) is named so, and
+a server whose engine died while answering is described so, with its log when this process started it.
 
 A server that refuses the policy's key (or its lack of one) fails at the first guarded call, ``/v1/models``,
 with a :class:`~tokengym.collectors.policies._server_options.RequestRejected` (a ``ValueError``) saying so.
@@ -20,12 +26,13 @@ from __future__ import annotations
 
 import re
 import warnings
+from pathlib import Path
 
 import httpx
 
 from tokengym.collectors.policies._server_fleet import Server, ServerFleet
 from tokengym.collectors.policies._server_options import RequestRejected
-from tokengym.collectors.policies._vllm_requests import check_logprobs_mode
+from tokengym.collectors.policies._vllm_requests import check_head_size, check_logprobs_mode, model_dir_config
 from tokengym.collectors.policies.protocol import check_fits_env
 from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.collectors.policies.server_guard import KEY_VARIABLE, MIDDLEWARE
@@ -37,14 +44,31 @@ _VOCAB = re.compile(r"Vocabulary size: (\d+)")
 
 async def inspect_server(fleet: ServerFleet, server: Server, ids: list[int]) -> dict:
     """What ``server`` says about itself (see the module docstring), ``ids`` being the env tokenizer's
-    ``probe_ids``; raises ``ValueError`` when it cannot be reached or serves no model."""
+    ``probe_ids``; raises ``ValueError`` when it cannot be reached, is not a vLLM server, serves no model, serves
+    one whose head size its CPU attention cannot run, or its engine died."""
+    try:
+        return await _inspect(fleet, server, ids)
+    except httpx.HTTPStatusError as err:  # a 5xx answer: the message says what (an engine that died, its log)
+        raise ValueError(f"vLLM server {server.url} failed while tokengym checked it: {err}") from err
+
+
+async def _inspect(fleet: ServerFleet, server: Server, ids: list[int]) -> dict:
     try:
         await fleet.call(server, "GET", "/health")
-        models = (await fleet.call(server, "GET", "/v1/models"))["data"]
-    except (httpx.HTTPError, OSError) as err:
+        models = await fleet.call(server, "GET", "/v1/models")
+    except RequestRejected as err:
+        if err.status_code == 401:
+            raise
+        raise ValueError(_not_vllm(server, err)) from err
+    except ValueError as err:  # a 200 answer that is not JSON
+        raise ValueError(_not_vllm(server, f"it answered a page that is not JSON ({err})")) from err
+    except (httpx.TransportError, OSError) as err:
         raise ValueError(f"vLLM server {server.url} cannot be reached ({type(err).__name__}: {err}); start it "
-                         "(tokengym.collectors.LocalVLLMServer, or python -m vllm.entrypoints.openai.api_server "
+                         "(tokengym.collectors.policies.LocalVLLMServer, or python -m vllm.entrypoints.openai.api_server "
                          "--model DIR ...) or fix the URL") from err  # fmt: skip
+    if not isinstance(models, dict) or not isinstance(models.get("data"), list):
+        raise ValueError(_not_vllm(server, f"GET /v1/models answered {str(models)[:80]!r}, not a list of models"))
+    models = [m for m in models["data"] if not m.get("parent")]  # LoRA adapters list the base model as parent
     if len(models) != 1:
         raise ValueError(f"vLLM server {server.url} serves {len(models)} models ({[m['id'] for m in models]}); "
                          "tokengym needs one model per server")  # fmt: skip
@@ -54,10 +78,12 @@ async def inspect_server(fleet: ServerFleet, server: Server, ids: list[int]) -> 
         info = await fleet.call(server, "GET", "/server_info?config_format=json")
         answer["logprobs_mode"] = info["vllm_config"]["model_config"]["logprobs_mode"]
         answer["dev_mode"] = bool(info.get("vllm_env", {}).get("VLLM_SERVER_DEV_MODE", False))
-    except (httpx.HTTPStatusError, RequestRejected, KeyError, TypeError) as err:
+        answer["device"] = (info["vllm_config"].get("device_config") or {}).get("device")
+    except (httpx.HTTPStatusError, RequestRejected, KeyError, TypeError, AttributeError) as err:
         if getattr(err, "status_code", None) == 401:
             raise
         answer["dev_mode"] = False  # /server_info exists only with VLLM_SERVER_DEV_MODE=1
+    _check_served_head_size(answer, fleet.options.checkpoint_dir)
     answer["is_open"] = False
     if answer["dev_mode"] and fleet.has_key:
         try:
@@ -71,6 +97,22 @@ async def inspect_server(fleet: ServerFleet, server: Server, ids: list[int]) -> 
     except (httpx.HTTPStatusError, RequestRejected, KeyError):
         answer["probe_text"] = None  # a server without a tokenizer: stop strings are left to the env
     return answer
+
+
+def _not_vllm(server: Server, why) -> str:
+    return (f"{server.url} is not a vLLM server ({why}); VLLMServerPolicy needs vLLM's OpenAI-compatible server "
+            "(python -m vllm.entrypoints.openai.api_server, or tokengym.collectors.policies.LocalVLLMServer): check the port")
+
+
+def _check_served_head_size(answer: dict, checkpoint_dir: str | None) -> None:
+    """Refuse a served model whose head size vLLM's CPU attention cannot run, before any request reaches its engine
+    (where its config can be read here: ``checkpoint_dir`` or the server's model directory)."""
+    local = checkpoint_dir or answer.get("root")
+    if not local or not Path(local, "config.json").is_file():
+        return
+    device = answer.get("device")
+    is_cpu = None if device is None else device == "cpu"  # not exposed: the server runs this host's vLLM build
+    check_head_size(model_dir_config(local), f"the model vLLM server {answer['url']} serves ({local})", is_cpu=is_cpu)
 
 
 async def _vocab_size(fleet: ServerFleet, server: Server) -> int | None:

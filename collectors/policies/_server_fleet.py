@@ -5,7 +5,13 @@ such as a trajectory sticks to the server it used before, so its prefix cache is
 cannot be reached, times out or answers 5xx is marked down and its requests are sent again elsewhere,
 unchanged (same seeds): each request gets exactly one answer. A 4xx answer is the request's fault and
 raises at once with the server's message. With no server left, :class:`NoServerError` names each
-server and its last failure.
+server and its last failure. A server whose engine died (HTTP 500 naming vLLM's ``EngineCore``) is
+described so, with its log file when this process started it
+(:class:`~tokengym.collectors.policies.LocalVLLMServer`).
+
+What happens is logged under ``tokengym.collectors.policies`` (a server marked down and why: WARNING;
+a server back: INFO) and counted in :meth:`ServerFleet.counts` (servers up, failovers, revivals, requests
+sent again), which reach the collector's metrics through the policy.
 
 HTTP is ``httpx.AsyncClient`` on an asyncio loop in a daemon thread of its own, so a synchronous caller
 (the collector) and one that already runs an event loop (a notebook) call it alike. The client sends the key
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -30,8 +37,12 @@ from tokengym.collectors.policies._server_options import (
     server_key,
 )
 from tokengym.collectors.policies.server_guard import KEY_VARIABLE
+from tokengym.collectors.policies.vllm_server import server_log
 
-__all__ = ["Server", "ServerFleet"]
+__all__ = ["Server", "ServerFleet", "describe_answer"]
+
+_log = logging.getLogger(__name__)
+_ENGINE_DIED = ("EngineCore", "EngineDead")  # what vLLM's 500 answers say once its engine process failed
 
 
 @dataclasses.dataclass
@@ -49,7 +60,11 @@ class Server:
     answered: int = 0
     """Generation requests it answered."""
     last_failure: str | None = None
+    down_reason: str | None = None
+    """Why it was marked down (``last_failure`` is the latest failed attempt to bring it back)."""
     down_since: float = 0.0
+    has_missed_weights: bool = False
+    """A weight update went by while it was down (warned once; it reloads when it comes back)."""
     attempts: set = dataclasses.field(default_factory=set)
     """Requests in flight on it (cancelled, and sent elsewhere, when it goes down)."""
 
@@ -57,6 +72,29 @@ class Server:
 def _describe(err: BaseException) -> str:
     text = str(err) or type(err).__name__
     return f"{type(err).__name__}: {text}"[:300]
+
+
+def describe_answer(response: httpx.Response) -> str:
+    """The message of an error answer: vLLM's JSON ``error.message``, a short plain text, or what the body is
+    (an HTML page is never quoted)."""
+    try:
+        return str(response.json()["error"]["message"])[:500]
+    except (ValueError, KeyError, TypeError):
+        pass
+    kind = response.headers.get("content-type", "").split(";")[0].strip()
+    if kind == "text/plain" or (kind == "" and response.text.isprintable()):
+        return response.text[:200] or "(empty body)"
+    return f"a {kind or 'non-JSON'} page of {len(response.content)} bytes"
+
+
+def engine_died(server_url: str, status: int, message: str) -> str | None:
+    """The reason to give for a 5xx answer that says the server's engine died, naming its log; else ``None``."""
+    if not any(word in message for word in _ENGINE_DIED):
+        return None
+    log = server_log(server_url)
+    where = f"its log {log}" if log is not None else "the vLLM server's output (its log)"
+    return (f"its engine died (HTTP {status}: {message[:160]}); the cause is in {where}; restart the server (the "
+            "policy takes it back with the current weights)")
 
 
 class ServerFleet:
@@ -73,6 +111,7 @@ class ServerFleet:
         self.sticky: dict[Hashable, Server] = {}
         self.revive: Callable | None = None  # async (server) -> None: make a returning server current
         self.has_key = server_key(self.options) is not None
+        self.counters = {"server_failovers": 0, "server_revivals": 0, "server_reloads": 0, "retried_requests": 0}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="tokengym-server-fleet", daemon=True
@@ -120,17 +159,47 @@ class ServerFleet:
         request.headers.pop("Authorization", None)
         return (await self._client.send(request)).status_code == 200
 
-    def mark_down(self, server: Server, reason: str) -> None:
-        """Take ``server`` out of the rotation; its requests in flight go elsewhere."""
-        server.is_up, server.last_failure, server.down_since = False, reason, time.monotonic()
+    def mark_down(self, server: Server, reason: str, *, moving: int = 0) -> None:
+        """Take ``server`` out of the rotation; its requests in flight go elsewhere (``moving``: requests whose
+        failure marks it down, sent elsewhere by the caller)."""
+        if not server.is_up:
+            return
+        server.is_up, server.last_failure, server.down_reason = False, reason, reason
+        server.down_since = time.monotonic()
+        self.counters["server_failovers"] += 1
+        moved = moving + len(server.attempts)
+        live = [s.url for s in self.up()]
+        where = f"go to {', '.join(live)}" if live else "wait: no server is left up"
+        _log.warning("vLLM server %s marked down: %s; %d request(s) in flight on it %s (it is tried again after "
+                     "%.0f s)", server.url, reason, moved, where, self.options.retry_down_after_s)  # fmt: skip
         for attempt in list(server.attempts):
             attempt.cancel()
+
+    def reloaded(self, server: Server, version: int, seconds: float) -> None:
+        """Record that ``server`` loaded weights ``version`` (in ``seconds``)."""
+        server.version = version
+        self.counters["server_reloads"] += 1
+        _log.info("vLLM server %s reloaded weights version %d in %.2f s", server.url, version, seconds)
+
+    def missed(self, server: Server, version: int) -> None:
+        """Warn (once while it stays down) that ``server`` is down and misses weights ``version``."""
+        if server.has_missed_weights:
+            return
+        server.has_missed_weights = True
+        _log.warning("vLLM server %s is down (%s) and did not get weights version %d; it gets the current weights "
+                     "when it answers again (it is tried before a wave, every %.0f s)", server.url, _failure(server),
+                     version, self.options.retry_down_after_s)  # fmt: skip
 
     def up(self) -> list[Server]:
         return [s for s in self.servers if s.is_up]
 
+    def counts(self) -> dict[str, int]:
+        """``servers_up`` now; failovers (servers marked down), revivals (servers back), weight reloads into a server
+        and requests sent again, since the fleet was made."""
+        return {"servers_up": len(self.up()), **self.counters}
+
     def failures(self) -> str:
-        return "; ".join(f"{s.url}: {s.last_failure or 'down'}" for s in self.servers)
+        return "; ".join(f"{s.url}: {_failure(s)}" for s in self.servers)
 
     async def revive_down(self, *, force: bool = False) -> None:
         """Try the servers that are down (those down for ``retry_down_after_s``, or all with ``force``)."""
@@ -140,12 +209,17 @@ class ServerFleet:
             await asyncio.gather(*(self._revive_one(s) for s in due))
 
     async def _revive_one(self, server: Server) -> None:
+        start = time.monotonic()
         try:
             await self.revive(server)
         except (httpx.HTTPError, RequestRejected, OSError) as err:
             server.last_failure, server.down_since = f"still down: {_describe(err)}", time.monotonic()
+            _log.debug("vLLM server %s is still down: %s", server.url, _describe(err))
             return
-        server.is_up = True
+        server.is_up, server.has_missed_weights = True, False
+        self.counters["server_revivals"] += 1
+        _log.info("vLLM server %s is back (it was down: %s); it holds weights version %d (brought back in %.2f s) and "
+                  "takes requests again", server.url, server.down_reason, server.version, time.monotonic() - start)  # fmt: skip
 
     # -- waves --
     def complete(self, payloads: list[dict], keys: list[Hashable | None]) -> list[dict]:
@@ -187,7 +261,7 @@ class ServerFleet:
 
     async def _one(self, i: int, payload: dict, key, results: list) -> None:
         timeout = httpx.Timeout(self.options.request_timeout_s, connect=self.options.connect_timeout_s)
-        has_revived = False
+        has_revived, sent = False, 0
         while True:
             try:
                 server = self._pick(key)
@@ -197,6 +271,9 @@ class ServerFleet:
                 has_revived = True
                 await self.revive_down(force=True)
                 continue
+            if sent:  # its last attempt failed with its server: sent again, unchanged
+                self.counters["retried_requests"] += 1
+            sent += 1
             attempt = asyncio.ensure_future(
                 self._client.post(server.url + "/v1/completions", json=payload, timeout=timeout)
             )
@@ -216,11 +293,11 @@ class ServerFleet:
             if err is not None:
                 if not isinstance(err, httpx.HTTPError | OSError):
                     raise err
-                self.mark_down(server, _describe(err))
+                self.mark_down(server, _describe(err), moving=1)
                 continue
             response = attempt.result()
             if response.status_code >= 500:
-                self.mark_down(server, f"HTTP {response.status_code}: {response.text[:200]}")
+                self.mark_down(server, server_failure(server.url, response), moving=1)
                 continue
             _raise_for_status(server, response, row=i)
             results[i] = response.json()
@@ -239,13 +316,21 @@ def _raise_for_status(server: Server, response: httpx.Response, *, row: int | No
             why = "without a key (HTTP 401): it needs the key it was started with; pass it"
         raise RequestRejected(f"{server.url} refused {path} {why} as ServerOptions(api_key=...) "
                               f"(LocalVLLMServer.api_key) or in this process's {KEY_VARIABLE}", status_code=401)  # fmt: skip
-    try:
-        message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = response.text[:500]
     if response.status_code < 500:
         where = "" if row is None else f" (wave row {row})"
-        raise RequestRejected(f"{server.url} rejected {path}{where} with HTTP {response.status_code}: {message}",
-                              status_code=response.status_code)  # fmt: skip
-    raise httpx.HTTPStatusError(f"{server.url}{path}: HTTP {response.status_code}: {message}",
+        raise RequestRejected(f"{server.url} rejected {path}{where} with HTTP {response.status_code}: "
+                              f"{describe_answer(response)}", status_code=response.status_code)  # fmt: skip
+    raise httpx.HTTPStatusError(f"{server.url}{path}: {server_failure(server.url, response)}",
                                 request=response.request, response=response)  # fmt: skip
+
+
+def server_failure(url: str, response: httpx.Response) -> str:
+    """What a 5xx answer of the server at ``url`` says: its engine died (with its log), or the status and message."""
+    message = describe_answer(response)
+    return engine_died(url, response.status_code, message) or f"HTTP {response.status_code}: {message}"
+
+
+def _failure(server: Server) -> str:
+    if server.is_up or server.down_reason in (None, server.last_failure):
+        return server.last_failure or ("up" if server.is_up else "down")
+    return f"{server.down_reason} (then {server.last_failure})"

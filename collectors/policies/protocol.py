@@ -14,7 +14,9 @@ Optional capabilities are class attributes; absent means ``False`` (read them wi
 - ``is_wave_only``: the policy is callable but does not step (an ``nn.Module`` that generates waves);
 - ``supports_cache_state``: ``collection_state(include_cache=False)`` leaves out a cache too large to save;
 - ``sampling``: the policy's :class:`~tokengym.collectors.SamplingConfig` (an attribute, not a flag): the
-  collector records it with every batch so the sequence actors score what was sampled (:func:`sampling_of`).
+  collector records it with every batch so the sequence actors score what was sampled (:func:`sampling_of`);
+- ``counts()``: a method returning counters the collector adds to its metrics, every key from construction on
+  (``VLLMServerPolicy``: servers up, failovers, weight reloads, requests sent again).
 
 Built-in: :class:`~tokengym.collectors.TransformersPolicy` (steps and waves, cache state),
 :class:`~tokengym.collectors.PolicyWithReference` (steps), ``VLLMPolicy`` and ``VLLMServerPolicy`` (waves).

@@ -1,7 +1,7 @@
 """Start a local vLLM OpenAI-compatible server for a model directory, wait until it is healthy, stop it.
 
 For tests, benchmarks, examples and a single machine; a fleet that runs elsewhere is given to
-:class:`~tokengym.collectors.VLLMServerPolicy` by its URLs instead. The command it runs (print it with
+:class:`~tokengym.collectors.policies.VLLMServerPolicy` by its URLs instead. The command it runs (print it with
 :func:`server_command`) is the one to run by hand, with a key in the environment::
 
     export TOKENGYM_SERVER_KEY=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')
@@ -9,11 +9,16 @@ For tests, benchmarks, examples and a single machine; a fleet that runs elsewher
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR --host 127.0.0.1 --port 8000 \\
         --middleware tokengym.collectors.policies.server_guard.ServerKeyGuard \\
         --dtype float32 --enforce-eager --max-model-len 2048 --logprobs-mode processed_logprobs \\
-        --generation-config vllm --seed 0
+        --generation-config vllm --seed 0 --kv-cache-memory-bytes 1073741824
     # GPU: the same module (or `vllm serve DIR ...`), in the checkpoint's dtype, CUDA graphs on
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR --host 127.0.0.1 --port 8000 \\
         --middleware tokengym.collectors.policies.server_guard.ServerKeyGuard \\
         --dtype bfloat16 --max-model-len 4096 --logprobs-mode processed_logprobs --generation-config vllm --seed 0
+
+On vLLM's CPU backend a server reserves ``--gpu-memory-utilization`` (0.92 by default) of the machine's memory for
+its KV cache and refuses to start when less is free; :class:`LocalVLLMServer` passes ``--kv-cache-memory-bytes``
+instead (:data:`CPU_KV_CACHE_BYTES`, or a quarter of the free memory when that is less) unless ``args`` or ``env``
+size the cache themselves.
 
 ``VLLM_SERVER_DEV_MODE=1`` opens the endpoints weight updates need (``/collective_rpc``,
 ``/reset_prefix_cache``, ``/server_info``), and ``/collective_rpc`` runs any method of the engine's workers:
@@ -27,7 +32,9 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -38,10 +45,45 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from tokengym.collectors.policies.server_guard import KEY_VARIABLE, MIDDLEWARE
 
-__all__ = ["LocalVLLMServer", "free_port", "server_command"]
+__all__ = ["CPU_KV_CACHE_BYTES", "LocalVLLMServer", "free_port", "root_cause", "server_command", "server_log"]
+
+_log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30
+"""KV cache of a :class:`LocalVLLMServer` on vLLM's CPU backend when nothing else sizes it (at most a quarter of
+the free memory)."""
+_KV_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+_KV_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
+_LOG_PREFIX = re.compile(r"^\(\S+ pid=\d+\) (?:[A-Z]+ \S+ \S+ \[\S+\] )?")  # "(EngineCore pid=7) ERROR 11-24 17:37 [core.py:1] "
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception)|\S+\.py: error): ")
+_RUNNING: dict[str, Path] = {}  # url -> log of the servers this process started and has not stopped
+
+
+def server_log(url: str) -> Path | None:
+    """The log file of the server at ``url`` if this process started it (:class:`LocalVLLMServer`) and it was not
+    stopped; ``None`` otherwise."""
+    return _RUNNING.get(url.rstrip("/"))
+
+
+def root_cause(log: str) -> str | None:
+    """The first error of a vLLM server's log: the first exception line (``ValueError: ...``) or argument error,
+    without vLLM's process prefix; ``None`` when there is none. The log's last lines name a consequence
+    (``RuntimeError: Engine core initialization failed. See root cause above.``), this names the cause.
+
+    Example:
+        >>> root_cause("(EngineCore pid=7) ERROR 11-24 17:37:49 [core.py:95] ValueError: no memory\\n"
+        ...            "RuntimeError: Engine core initialization failed. See root cause above.")
+        'ValueError: no memory'
+    """
+    for line in log.splitlines():
+        line = _LOG_PREFIX.sub("", line).strip()
+        if _ERROR_LINE.match(line):
+            return line
+    return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -98,9 +140,17 @@ class LocalVLLMServer:
             key made once per process (``secrets.token_urlsafe(32)``: the servers of one process share it).
         guard: ``False`` starts the server without the key guard (your own, e.g. vLLM's ``--api-key`` in
             ``args``, which guards only ``/v1``); then every other path is open to whoever reaches the port.
+        keep_log: keep the log file when the server stops (default: it is removed).
 
-    The server's output goes to :attr:`log_path`; an error at start-up quotes its end. The key reaches the
-    server through its environment (``TOKENGYM_SERVER_KEY``), never its command line.
+    Each :meth:`launch` writes the server's output to a new file, ``log_path`` (in the temporary directory);
+    :meth:`stop` removes it unless ``keep_log``. A failed start quotes the first error of the log (the root cause,
+    :func:`root_cause`) and its last lines. On vLLM's CPU backend the KV cache is sized to fit (see the module
+    docstring). The key reaches the server through its environment (``TOKENGYM_SERVER_KEY``), never its command
+    line.
+
+    vLLM's CPU attention runs head sizes 32 and up: of the offline test models,
+    ``tokengym.testing.tiny_model(tok, size="small")`` serves (the default ``"tiny"`` has head size 16, which
+    :class:`~tokengym.collectors.policies.VLLMServerPolicy` refuses).
 
     Example (not run here: a server takes ~25 s to start on CPU)::
 
@@ -110,7 +160,7 @@ class LocalVLLMServer:
 
     def __init__(self, model_dir: str | os.PathLike, *, port: int | None = None, host: str = "127.0.0.1",
                  args: Sequence[str] = (), env: dict | None = None, startup_timeout_s: float = 300.0,
-                 api_key: str | None = None, guard: bool = True) -> None:  # fmt: skip
+                 api_key: str | None = None, guard: bool = True, keep_log: bool = False) -> None:  # fmt: skip
         if not Path(model_dir, "config.json").is_file():
             raise ValueError(f"model directory {str(model_dir)!r} has no config.json; save the model there with "
                              "model.save_pretrained(path) and tokenizer.save_pretrained(path)")  # fmt: skip
@@ -128,7 +178,9 @@ class LocalVLLMServer:
         self.port = free_port(host) if port is None else int(port)
         self.args, self.startup_timeout_s = list(args), startup_timeout_s
         self.env = {"VLLM_SERVER_DEV_MODE": "1", **(env or {})}
-        self.log_path = Path(tempfile.mkstemp(prefix=f"vllm-server-{self.port}-", suffix=".log")[1])
+        self.keep_log = bool(keep_log)
+        self.log_path: Path | None = None
+        """The log of the last :meth:`launch` (``None`` before it; removed by :meth:`stop` unless ``keep_log``)."""
         self.process: subprocess.Popen | None = None
 
     @property
@@ -143,7 +195,19 @@ class LocalVLLMServer:
     @property
     def command(self) -> list[str]:
         return server_command(self.model_dir, port=self.port, host=self.host, guard=self._key is not None,
-                              args=self.args)  # fmt: skip
+                              args=[*self._kv_cache_args(), *self.args])  # fmt: skip
+
+    def _kv_cache_args(self) -> list[str]:
+        """``--kv-cache-memory-bytes`` on vLLM's CPU backend when neither ``args`` nor ``env`` size the cache."""
+        if any(a.split("=")[0] in _KV_FLAGS for a in self.args) or _KV_VARIABLE in {**os.environ, **self.env}:
+            return []
+        from vllm.platforms import current_platform  # the server runs this vLLM build
+
+        if not current_platform.is_cpu():
+            return []
+        import psutil  # installed with vLLM
+
+        return ["--kv-cache-memory-bytes", str(min(CPU_KV_CACHE_BYTES, psutil.virtual_memory().available // 4))]
 
     def launch(self) -> LocalVLLMServer:
         """Start the process and return at once (:meth:`wait` for it); lets several servers start together."""
@@ -153,45 +217,71 @@ class LocalVLLMServer:
         env.pop(KEY_VARIABLE, None)
         if self._key is not None:
             env[KEY_VARIABLE] = self._key
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        command = self.command
+        self._remove_log()
+        fd, path = tempfile.mkstemp(prefix=f"vllm-server-{self.port}-", suffix=".log")
+        self.log_path = Path(path)
+        with os.fdopen(fd, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env=env)  # fmt: skip
+        _RUNNING[self.url] = self.log_path
         return self
 
     def wait(self) -> LocalVLLMServer:
-        """Block until ``/health`` answers 200; on a timeout or an exit, stop it and raise with its log's end."""
+        """Block until ``/health`` answers 200; on a timeout or an exit, stop it and raise quoting its log's first
+        error (the root cause) and its last lines."""
         import httpx  # installed with vLLM
 
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process is None or self.process.poll() is not None:
                 code = None if self.process is None else self.process.returncode
-                raise RuntimeError(f"the vLLM server for {self.model_dir} exited with code {code} before it was "
-                                   f"healthy; its log ({self.log_path}) ends:\n{self.log_tail()}")  # fmt: skip
+                self._fail(f"exited with code {code} before it was healthy")
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    _log.info("vLLM server %s is healthy (model %s, log %s)", self.url, self.model_dir, self.log_path)
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        self._fail(f"was not healthy after {self.startup_timeout_s:.0f} s (stopped)")
+
+    def _fail(self, what: str) -> NoReturn:
+        """Stop the server and raise what happened, with the first error and the end of its log."""
+        try:
+            text = self.log_path.read_text(errors="replace") if self.log_path is not None else ""
+        except OSError:
+            text = ""
+        cause = root_cause(text)
+        tail = "\n".join(text.splitlines()[-8:]) or "(no output)"
         self.stop()
-        raise RuntimeError(f"the vLLM server for {self.model_dir} was not healthy after {self.startup_timeout_s:.0f} s "
-                           f"(stopped); its log ({self.log_path}) ends:\n{self.log_tail()}")  # fmt: skip
+        where = f"kept in {self.log_path}" if self.keep_log else "removed: pass keep_log=True to keep it"
+        first = f"\nits first error (the root cause): {cause}" if cause else ""
+        raise RuntimeError(f"the vLLM server for {self.model_dir} {what}{first}\nits log ({where}) ends:\n{tail}")
 
     def start(self) -> LocalVLLMServer:
         """:meth:`launch` then :meth:`wait`."""
         return self.launch().wait()
 
     def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the server's log."""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
+        except (OSError, AttributeError):
             return "(no log)"
 
+    def _remove_log(self) -> None:
+        if self.log_path is not None and not self.keep_log:
+            self.log_path.unlink(missing_ok=True)
+
     def stop(self, sig: int = signal.SIGTERM, *, timeout_s: float = 30.0) -> None:
-        """Signal the server's whole process group (its engine core too); SIGKILL if it outlives ``timeout_s``."""
+        """Signal the server's whole process group (its engine core too); SIGKILL if it outlives ``timeout_s``.
+        Its log is removed unless ``keep_log``."""
         process, self.process = self.process, None
+        if self.log_path is not None and _RUNNING.get(self.url) == self.log_path:
+            del _RUNNING[self.url]
         if process is None:
+            self._remove_log()
             return
         for s in (sig, signal.SIGKILL):
             try:
@@ -204,6 +294,7 @@ class LocalVLLMServer:
             except subprocess.TimeoutExpired:
                 continue
         _reap_group(process.pid)
+        self._remove_log()
 
     def kill(self) -> None:
         """SIGKILL the server's process group at once (what a crashed host looks like to the client)."""

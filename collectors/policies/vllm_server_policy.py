@@ -18,7 +18,9 @@ import asyncio
 import shutil
 import tempfile
 import threading
+import time
 import types
+import urllib.parse
 from pathlib import Path
 
 from tokengym.collectors.policies._server_options import NoServerError, RequestRejected, ServerOptions
@@ -87,7 +89,15 @@ class VLLMServerPolicy:
         ValueError: a server cannot be reached, refuses the policy's key or its lack of one (HTTP 401: pass the
             key it was started with), serves another model, has a smaller context or another
             vocabulary or tokenizer than the env, or reports log-probs that would not be those of the
-            distribution sampled from (start it with ``--logprobs-mode processed_logprobs``).
+            distribution sampled from (start it with ``--logprobs-mode processed_logprobs``); a URL ends with
+            ``/v1`` (pass the server's base URL); an HTTP server is not vLLM; the served model has a head size
+            vLLM's CPU attention cannot run (its engine would die at the first request; on CPU
+            ``tokengym.testing.tiny_model(tok, size="small")`` serves); a server's engine died (its log is named
+            when this process started it with ``LocalVLLMServer``).
+
+    Logs under ``tokengym.collectors.policies``: a server marked down and why, and each failover (WARNING); a weight
+    update that a down server missed (WARNING, once); a server back, and each weight reload into a server (INFO).
+    Its :meth:`counts` (servers up, failovers, revivals, reloads, requests sent again) join the collector's metrics.
 
     Warns:
         UserWarning: the policy has a key but a server answers its development endpoints without one (anyone
@@ -111,6 +121,8 @@ class VLLMServerPolicy:
         bad = [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]
         if not urls or bad:
             raise ValueError(f"urls must be one or more server URLs like 'http://host:8000', got {urls!r}")
+        for url in urls:
+            _check_base_url(url)
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         self.seeds, self.version = RequestSeeds(seed), 0
@@ -164,6 +176,13 @@ class VLLMServerPolicy:
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.fleet.servers]
+
+    def counts(self) -> dict[str, int]:
+        """The fleet's counters, which a collector adds to its metrics: ``servers_up`` (taking requests now),
+        ``server_failovers`` (servers marked down, their requests sent elsewhere), ``server_revivals`` (servers
+        back), ``server_reloads`` (weights loaded into one server, updates and revivals) and ``retried_requests``
+        (requests sent again after their server failed)."""
+        return self.fleet.counts() if self.fleet is not None else dict(self._closed_counts)
 
     # -- generation --
     def generate(self, request: WaveRequest) -> WaveResult:
@@ -282,6 +301,7 @@ class VLLMServerPolicy:
 
     async def _load_all(self, handle: str, version: int) -> None:
         async def load(server):
+            start = time.monotonic()
             try:
                 await self._load_one(server, handle)
             except RequestRejected as err:
@@ -292,9 +312,12 @@ class VLLMServerPolicy:
             except (self._httpx.HTTPError, OSError) as err:
                 self.fleet.mark_down(server, f"weight reload failed: {type(err).__name__}: {err}"[:300])
                 return
-            server.version = version
+            self.fleet.reloaded(server, version, time.monotonic() - start)
 
         await asyncio.gather(*(load(s) for s in self.fleet.up()))
+        for server in self.fleet.servers:
+            if not server.is_up:
+                self.fleet.missed(server, version)
         if not self.fleet.up():
             raise NoServerError(
                 f"no vLLM server took the weights of version {version} ({self.fleet.failures()})"
@@ -304,8 +327,10 @@ class VLLMServerPolicy:
         """A server marked down answers again: give it the current weights before it takes requests."""
         await self.fleet.call(server, "GET", "/health", timeout=self.options.connect_timeout_s)
         version, handle = self.fleet_lock.read()
+        start = time.monotonic()
         if handle is not None:
             await self._load_one(server, handle)
+            self.fleet.reloaded(server, version, time.monotonic() - start)
         server.version = version
 
     # -- state --
@@ -325,9 +350,19 @@ class VLLMServerPolicy:
         """Close the HTTP client and remove this policy's own weight files (the servers keep running)."""
         fleet, self.fleet = getattr(self, "fleet", None), None
         if fleet is not None:
+            self._closed_counts = fleet.counts()
             fleet.close()
         transport = getattr(self, "transport", None)
         if transport is not None:
             transport.close()
         if self.options.weights_dir is None and getattr(self, "lock_dir", None):
             shutil.rmtree(self.lock_dir, ignore_errors=True)
+
+
+def _check_base_url(url: str) -> None:
+    """A server's base URL: the policy adds ``/v1/completions`` and the control paths itself."""
+    path = urllib.parse.urlsplit(url).path.rstrip("/")
+    if path.endswith("/v1"):
+        base = url.rstrip("/")[: -len("/v1")]
+        raise ValueError(f"server URL {url!r} ends with /v1, but VLLMServerPolicy takes the server's base URL (it "
+                         f"adds /v1/completions, /health and its control paths itself); pass {base!r}")  # fmt: skip

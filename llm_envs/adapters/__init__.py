@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gymnasium
 
-from tokengym.llm_envs.adapters._episodes import EpisodeBackend, EpisodeTokenEnv, EpisodeTurns
+from tokengym.llm_envs.adapters._episodes import EpisodeBackend, EpisodeError, EpisodeTokenEnv, EpisodeTurns
 from tokengym.llm_envs.adapters.openenv import OpenEnvBackend, make_openenv_env
 from tokengym.llm_envs.adapters.reasoning_gym import (
     ReasoningGymReward,
@@ -23,6 +23,7 @@ __all__ = [
     "EpisodeTokenEnv",
     "OpenEnvBackend",
     "EpisodeBackend",
+    "EpisodeError",
     "EpisodeTurns",
     "ReasoningGymReward",
     "TextArenaEnv",

@@ -257,8 +257,10 @@ def test_ray_workers_share_servers(fleet, make_vllm_model, tmp_path):
     try:
         with RayTokenCollector(env_fn, policy_fn, num_workers=2, mode="trajectories", batch_size=4, source="wave",
                                ray_config=RayConfig(num_cpus=2, init_options={"include_dashboard": False})) as collector:  # fmt: skip
+            assert collector.metrics["servers_up"] == 2  # the workers' fleet counters reach the driver (not summed)
             for i, batch in enumerate(collector):
                 _assert_versions_exact(batch, published, env_fn())
+                assert collector.metrics["servers_up"] == 2 and collector.metrics["server_failovers"] == 0
                 new = make_vllm_model(tok, tie=True, seed=20 + i)
                 published[collector.update_policy_weights_(new.state_dict())] = new
                 if i == 1:
