@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["TokenGymError", "ResetNeeded", "RewardFunctionError", "ContractError", "PromptError"]
+import collections
+
+__all__ = ["TokenGymError", "ResetNeeded", "RewardFunctionError", "ContractError", "PromptError", "refill_failures"]
 
 
 class TokenGymError(Exception):
@@ -30,6 +32,24 @@ class PromptError(TokenGymError, ValueError):
     finished them (when a step triggered the refill).
     """
 
+    what = "prompt(s) could not be loaded and were skipped"
+    """What failed, in the summary of a refill's failures (:func:`refill_failures`; subclasses say theirs)."""
+
     def __init__(self, message: str, *, slots: list[int] | None = None, observation=None) -> None:
         super().__init__(message)
         self.slots, self.observation, self.step = slots or [], observation, None
+
+
+def refill_failures(failed: list[tuple[int, PromptError]]) -> str:
+    """The message of a refill whose slots ``failed`` (``(slot, error)`` pairs): what failed, counted by kind (a
+    prompt that could not be loaded, an episode that failed, a server that went away), then the first error.
+
+    Example:
+        >>> refill_failures([(2, PromptError("prompt 7 has 900 tokens")), (3, PromptError("prompt 8 ..."))])
+        '2 prompt(s) could not be loaded and were skipped (slot 2: prompt 7 has 900 tokens); the slots are refilled with the next prompts on the next refill, nothing collected is lost'
+    """
+    kinds = collections.Counter(err.what for _, err in failed)
+    slot, first = failed[0]
+    head = ", ".join(f"{n} {what}" for what, n in kinds.items())
+    return (f"{head} (slot {slot}: {first}); the slots are refilled with the next prompts on the next refill, "
+            "nothing collected is lost")  # fmt: skip

@@ -7,12 +7,15 @@ A backend runs the episodes: ``start`` opens one and gives its first observation
 (:class:`EpisodeTurns`) steps the episodes of the finished turns and ends the episode a slot held when the
 slot is refilled. An episode whose backend fails ends there with reward 0 and its error is raised at the
 slot's refill as an :class:`EpisodeError` (through the collector's usual ``PromptError`` path: the step is
-recorded, iterating again goes on).
+recorded, iterating again goes on). Each failure is logged (WARNING, ``tokengym.llm_envs.adapters``) when it
+happens, and its wording says what failed: an episode that could not start, one that failed, or a server that
+went away (a backend's ``ConnectionError``).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
@@ -27,9 +30,28 @@ EPISODE = "episode"  # prompt-metadata fields: the episode id, its reset seed an
 SEED = "seed"
 WHERE = "where"
 
+_log = logging.getLogger(__name__)
+
 
 class EpisodeError(PromptError):
     """An external episode failed (its session, server or env instance); only that episode ended."""
+
+    what = "episode(s) failed and ended with reward 0"
+
+    def __init__(self, message: str, *, what: str | None = None, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        if what is not None:
+            self.what = what
+
+
+def _episode_error(message: str, cause: Exception, *, is_start: bool) -> EpisodeError:
+    """An :class:`EpisodeError` whose ``what`` says what failed (logged as it happens)."""
+    if isinstance(cause, ConnectionError):
+        what = "episode(s) lost their server: it went away"
+    else:
+        what = "episode(s) could not start" if is_start else EpisodeError.what
+    _log.warning("%s", message)
+    return EpisodeError(message, what=what)
 
 
 class EpisodeBackend(Protocol):
@@ -96,8 +118,8 @@ class EpisodeSource(PromptSource):
             text = self.backend.start(g, seed)
         except Exception as err:
             self.backend.end(g)
-            raise EpisodeError(f"episode {g} could not start on {self.backend.where(g)}: {type(err).__name__}: {err}; "
-                               "the slot takes the next episode at the next refill") from err  # fmt: skip
+            raise _episode_error(f"episode {g} could not start on {self.backend.where(g)}: {type(err).__name__}: "
+                                 f"{err}; the slot takes the next episode at the next refill", err, is_start=True) from err  # fmt: skip
         ids, text, meta = self.encode({"prompt": self.as_prompt(text), EPISODE: g, SEED: seed,
                                        WHERE: self.backend.where(g)}, g)  # fmt: skip
         return Prompt(ids, text, meta, g, g, 0)
@@ -159,9 +181,9 @@ class EpisodeTurns(TurnHandler):
         for g, turn, final, answer in zip(episodes, turns.turns, turns.is_final, answers, strict=True):
             if isinstance(answer, Exception):
                 self.backend.end(g)
-                self.source.failures.append(EpisodeError(
+                self.source.failures.append(_episode_error(
                     f"episode {g} failed at turn {turn} on {self.backend.where(g)}: {type(answer).__name__}: "
-                    f"{answer}; it ended there with reward 0, the other episodes go on"))  # fmt: skip
+                    f"{answer}; it ended there with reward 0, the other episodes go on", answer, is_start=False))  # fmt: skip
                 out.append(Turn(0.0))
                 continue
             if answer.is_done or final or turn + 1 >= self.max_turns:
@@ -186,8 +208,8 @@ class EpisodeTurns(TurnHandler):
             try:
                 self.backend.start(g, int(prompt.metadata[SEED]))
             except Exception as err:  # the episode's next turn finds no session and ends with an error
-                self.source.failures.append(EpisodeError(f"episode {g} could not restart on {self.backend.where(g)}: "
-                                                         f"{type(err).__name__}: {err}"))  # fmt: skip
+                self.source.failures.append(_episode_error(f"episode {g} could not restart on {self.backend.where(g)}: "
+                                                           f"{type(err).__name__}: {err}", err, is_start=True))  # fmt: skip
 
     def close(self) -> None:
         self.backend.end_all()
@@ -196,7 +218,9 @@ class EpisodeTurns(TurnHandler):
 class EpisodeTokenEnv(TokenEnv):
     """``TokenEnv(EpisodeSource(backend), tokenizer, turns=EpisodeTurns(...))``: one external episode per slot.
 
-    See the module docstring. Args:
+    See the module docstring.
+
+    Args:
         backend: runs the episodes.
         tokenizer: as for :class:`~tokengym.llm_envs.token_env.TokenEnv`.
         max_turns: turns per episode (the env ends an episode after it even if the backend goes on).

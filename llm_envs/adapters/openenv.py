@@ -7,10 +7,12 @@ field, found from the server's ``/schema`` or given as ``action_field``), and th
 flag and observation become the turn's reward and the next user message. ``B`` slots are ``B``
 concurrent sessions; a turn's steps go out together and their answers are awaited together.
 
-A session that fails (connection lost, server gone, timeout, error or malformed message) ends only
-its episode, with reward 0; the error, naming the episode and the server, is raised at the slot's
-refill as an :class:`~tokengym.llm_envs.adapters.EpisodeError` (a ``PromptError``: the collector
-has recorded the step, iterating again goes on).
+The server must answer ``GET /health`` when the env is built. A session that fails (connection lost, server
+gone, timeout, error or malformed message) ends only its episode, with reward 0; the error, naming the episode
+and the server, is raised at the slot's refill as an :class:`~tokengym.llm_envs.adapters.EpisodeError` (a
+``PromptError``: the collector has recorded the step, iterating again goes on). A server that refuses or closes
+a new session at reset usually limits concurrent sessions (openenv's ``max_concurrent_envs``, below the env's
+``batch_size``): the error says so, with the limit when the server tells it.
 
 Example (against a running server)::
 
@@ -25,7 +27,14 @@ from collections.abc import Callable
 
 from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv
-from tokengym.llm_envs.adapters._ws import Session, fetch_json, parse_step, session_urls
+from tokengym.llm_envs.adapters._ws import (
+    Session,
+    SessionClosed,
+    check_health,
+    fetch_json,
+    parse_step,
+    session_urls,
+)
 from tokengym.llm_envs.turns.protocol import Turn
 
 __all__ = ["OpenEnvBackend", "make_openenv_env", "render_observation"]
@@ -58,7 +67,7 @@ class OpenEnvBackend:
         action_field: the action's field that takes the response text; found from ``/schema`` when
             ``None`` (the action's only string field, else its only required one).
         timeout_s: limit of a connection, a reset and a step.
-        render: ``render(observation dict) -> str`` (default :func:`render_observation`).
+        render: ``render(observation dict) -> str`` (default ``render_observation``).
     """
 
     def __init__(self, url: str, *, action_field: str | None = None, timeout_s: float = 30.0,
@@ -72,6 +81,7 @@ class OpenEnvBackend:
             raise TypeError(f"render must be callable(observation dict) -> str, got {render!r}")
         self.action_field, self.timeout_s, self.render = action_field, float(timeout_s), render or render_observation
         self._sessions: dict[int, Session] = {}
+        check_health(self.http_url, self.timeout_s)  # a wrong URL fails here, not at the first batch
 
     def __getstate__(self) -> dict:  # connections stay in the process that opened them
         return {**self.__dict__, "_sessions": {}}
@@ -102,10 +112,14 @@ class OpenEnvBackend:
     def start(self, episode: int, seed: int) -> str:
         self.find_action_field()  # a server whose schema does not fit fails before any session opens
         self.end(episode)
-        session = Session(self.ws_url, timeout_s=self.timeout_s)
-        self._sessions[episode] = session
-        session.send("reset", {"seed": seed})
-        obs, _, _ = parse_step(session.receive(), f"{self.where()} (episode {episode}, reset)")
+        held = len(self._sessions)
+        try:
+            session = Session(self.ws_url, timeout_s=self.timeout_s)
+            self._sessions[episode] = session
+            session.send("reset", {"seed": seed})
+            obs, _, _ = parse_step(session.receive(), f"{self.where()} (episode {episode}, reset)")
+        except SessionClosed as err:
+            raise SessionClosed(_session_limit(err, held), max_sessions=err.max_sessions) from err
         return self.render(obs)
 
     def step(self, episodes: list[int], actions: list[str]) -> list[Turn | Exception]:
@@ -143,6 +157,16 @@ class OpenEnvBackend:
             self.end(g)
 
 
+def _session_limit(err: SessionClosed, held: int) -> str:
+    """The message of a session refused or closed at reset: the server's session limit is the likely cause."""
+    n = err.max_sessions
+    limit = (f"it allows {n} concurrent sessions (openenv's max_concurrent_envs)" if n else
+             "it may limit concurrent sessions (openenv's max_concurrent_envs)")  # fmt: skip
+    fix = f"or build the env with batch_size <= {n}" if n else "or lower the env's batch_size"
+    return (f"the server refused a new session at reset ({err}): {limit}, and the env opens one session per slot "
+            f"({held} open now); start the server with max_concurrent_envs >= the env's batch_size {fix}")
+
+
 def make_openenv_env(url: str, tokenizer, *, max_turns: int = 4, action_field: str | None = None,
                      timeout_s: float = 30.0, **env_kwargs) -> EpisodeTokenEnv:  # fmt: skip
     """A multi-turn token env whose slots are sessions on the OpenEnv server at ``url``.
@@ -155,6 +179,9 @@ def make_openenv_env(url: str, tokenizer, *, max_turns: int = 4, action_field: s
         timeout_s: limit of a connection, a reset and a step.
         **env_kwargs: :class:`~tokengym.llm_envs.adapters.EpisodeTokenEnv` arguments (``batch_size``,
             ``max_new_tokens``, ``max_length``, ``num_episodes``, ``system_prompt``, ``seed``, ``render``...).
+
+    Raises:
+        ValueError: nothing answers at ``url`` (``GET /health``), or another argument is bad.
     """
     require_tokenizer("make_openenv_env", tokenizer)
     render = env_kwargs.pop("render", None)

@@ -44,10 +44,10 @@ def free_port() -> int:
 class Server:
     """A server process (``openenv_server.py --mode ...``) on a free port of 127.0.0.1, in its own process group."""
 
-    def __init__(self, mode="openenv", timeout_s=60.0):
+    def __init__(self, mode="openenv", timeout_s=60.0, *, args=()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, str(SERVER), "--port", str(self.port), "--mode", mode],
+        self.proc = subprocess.Popen([sys.executable, str(SERVER), "--port", str(self.port), "--mode", mode, *args],
                                      start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while not self.is_up(mode):

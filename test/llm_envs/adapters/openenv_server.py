@@ -1,6 +1,7 @@
 """Servers for the OpenEnv adapter tests, run as ``python openenv_server.py --port P [--mode M]``.
 
-``--mode openenv`` (default): a real OpenEnv server (``openenv-core``) of a small multi-turn game:
+``--mode openenv`` (default): a real OpenEnv server (``openenv-core``) of a small multi-turn game
+(``--max-concurrent N``: at most N sessions at once, openenv's ``max_concurrent_envs``; default 64):
 guess the digit ``seed % 10`` in at most 3 tries. Each step answers ``higher`` / ``lower`` / ``say a
 digit`` with reward -0.5 (a wrong digit) or 0.0 (no digit); the right digit gives 1.0 and ends the game.
 ``--mode malformed``: a bare WebSocket server that answers the reset properly and every step with a
@@ -26,7 +27,7 @@ def score(text: str, target: int) -> tuple[float, str, bool]:
     return HINTS["wrong_digit"], "higher" if guess < target else "lower", False
 
 
-def openenv_app():
+def openenv_app(max_concurrent: int = 64):
     from openenv.core.env_server.http_server import create_app
     from openenv.core.env_server.interfaces import Environment
     from openenv.core.env_server.types import Action, Observation, State
@@ -60,7 +61,7 @@ def openenv_app():
             return self._state
 
     return create_app(GuessDigitEnvironment, GuessAction, GuessObservation, env_name="guess_digit",
-                      max_concurrent_envs=64)
+                      max_concurrent_envs=max_concurrent)
 
 
 async def bare_server(port: int, mode: str) -> None:
@@ -90,11 +91,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--mode", default="openenv", choices=["openenv", "malformed", "silent"])
+    parser.add_argument("--max-concurrent", type=int, default=64)
     args = parser.parse_args()
     if args.mode == "openenv":
         import uvicorn
 
-        uvicorn.run(openenv_app(), host="127.0.0.1", port=args.port, log_level="warning")
+        uvicorn.run(openenv_app(args.max_concurrent), host="127.0.0.1", port=args.port, log_level="warning")
     else:
         asyncio.run(bare_server(args.port, args.mode))
 
