@@ -214,6 +214,8 @@ class CollectorWorker:
         out = table.subset(table.group_ids())
         for t in table.traj_ids():
             out.add_sequence(t * n + i, table.sequence(t))
+        for t in table.own_prompt_trajs():
+            out.add_trajectory_prompt(t * n + i, table.trajectory_prompt(t))
         batch.set_non_tensor(keys.PROMPTS, out)
         return batch
 

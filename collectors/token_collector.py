@@ -46,7 +46,7 @@ class TokenCollector(CollectorBase):
 
     Args:
         env: a :class:`~tokengym.llm_envs.TokenEnv` (or a ``TransformedEnv`` of one).
-        policy: a :class:`~tokengym.collectors.TokenPolicy`, e.g. :class:`~tokengym.collectors.TransformersPolicy`.
+        policy: a :class:`~tokengym.collectors.policies.TokenPolicy`, e.g. :class:`~tokengym.collectors.policies.TransformersPolicy`.
         mode: a :class:`CollectMode` or its string.
         batch_size: env steps per batch (``STEPS``) or trajectories per batch (``TRAJECTORIES``; a
             multiple of the env's ``group_size``: a batch holds whole groups).
@@ -101,6 +101,9 @@ class TokenCollector(CollectorBase):
         self.group_size = int(getattr(base.source, "group_size", 1))
         super().__init__(spec.for_env(slots=base.batch_size[0], group_size=self.group_size), postproc=postproc,
                          sink=sink, logger=logger)  # fmt: skip
+        if getattr(base.turns, "may_split", False) and spec.mode is CollectMode.STEPS:
+            raise ValueError(f"{type(base.turns).__name__} may split an episode into several trajectories, whose parts "
+                             "get the episode's reward when it ends: collect with mode='trajectories'")  # fmt: skip
         policy = as_token_policy(policy)
         self.env, self.base_env, self.policy = env, base, policy
         self.source = make_source(source, env, policy)
@@ -144,10 +147,15 @@ class TokenCollector(CollectorBase):
 
     # -- collecting --
     def _remember_prompts(self, slots) -> None:
+        table = self.prompts
         for b in slots:
             prompt = self.base_env.slot_prompt(b)
-            if prompt is not None:
-                self.prompts.add(prompt.group_id, prompt.ids, text=prompt.text, metadata=prompt.metadata)
+            if prompt is None:
+                continue
+            if prompt.group_id not in table:
+                table.add(prompt.group_id, prompt.ids, text=prompt.text, metadata=prompt.metadata)
+            elif prompt.ids is not table.ids(prompt.group_id) and not torch.equal(prompt.ids, table.ids(prompt.group_id)):
+                table.add_trajectory_prompt(self.base_env.slot_trajectory(b), prompt.ids)  # a split episode's part
 
     def _count_failed(self, error: Exception | None) -> None:
         if error is not None:
@@ -162,6 +170,9 @@ class TokenCollector(CollectorBase):
             self._remember_prompts(refilled)
         for traj, ids in self.base_env.pop_finished_sequences().items():
             self.prompts.add_sequence(traj, ids)
+        parts = self.base_env.pop_parts()
+        if parts:
+            self.recorder.hold_parts(parts)
         if chunk:
             self.steps_done += 1 if isinstance(chunk, Step) else getattr(self.source, "last_steps", 0) or next(iter(chunk.values())).shape[1]
             self.pending = self.recorder.write(chunk)

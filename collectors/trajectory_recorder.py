@@ -23,6 +23,20 @@ from tokengym.llm_envs import keys
 
 __all__ = ["TrajectoryRecorder"]
 
+F_SAMPLE, F_REWARD = keys.SAMPLE_ID, flat_name(keys.REWARD)
+
+
+def _give_parts_their_reward(out: dict, take: list[tuple], lengths: torch.Tensor) -> None:
+    """Each part's last step gets its episode's reward: the summed reward of the episode's last trajectory in ``take``
+    (parts precede it). The reward a part had at its end (the handler's, at the split) is replaced."""
+    reward = out[F_REWARD]  # (N, T, 1)
+    totals = reward.reshape(reward.shape[0], -1).sum(1)
+    final_of = {(e[3], e[6]): i for i, e in enumerate(take) if not e[7]}
+    rows = [i for i, e in enumerate(take) if e[7] and (e[3], e[6]) in final_of]
+    if rows:
+        index = torch.tensor(rows)
+        reward[index, lengths[index] - 1] = totals[[final_of[(take[i][3], take[i][6])] for i in rows]].reshape(-1, 1)
+
 
 class _Segment:
     """Where finished trajectories' steps are: a wave's own (B, Tn, ...) tensors by flat name (``is_packed``
@@ -76,9 +90,14 @@ class TrajectoryRecorder:
         self.row_of_slot: torch.Tensor | None = None  # (B,) the store row each slot writes into
         self.free: list[int] = []
         self._packer: Packer | None = None
-        self._id_columns: tuple | None = None  # where group and trajectory ids are in the store: (dtype, column) x 2
-        self.ready: list[tuple] = []  # (segment, row, length, group, traj, score) of complete groups
+        self._id_columns: tuple | None = None  # where group, trajectory and sample ids are in the store: (dtype, column) x 3
+        self.ready: list[tuple] = []  # (segment, row, length, group, traj, score, sample, is_part) of complete groups
         self.waiting: dict[int, list[tuple]] = {}  # group -> its finished trajectories so far
+        # split episodes: trajectories the env said end as parts, and finished parts held until the episode's last
+        # trajectory (by (group, sample)); released with it, just before it, with its reward (see peek)
+        self.parts: set[int] = set()
+        self.held: dict[tuple[int, int], list[tuple]] = {}
+        self.ready_parts = 0  # parts among the ready entries
         self.counters = {"dropped_groups": 0, "dropped_trajectories": 0}
         self._peeked = 0  # ready trajectories the last peek() gave
 
@@ -97,7 +116,8 @@ class TrajectoryRecorder:
         if bool(whole.any()):
             rows = whole.nonzero().squeeze(-1)
             lengths = chunk[F_RESP][rows].gather(1, done[rows].int().argmax(1, keepdim=True)).squeeze(1) + 1
-            self._finish(_Segment(chunk), rows, lengths, chunk[F_GROUP][rows, 0], chunk[F_TRAJ][rows, 0])
+            self._finish(_Segment(chunk), rows, lengths, chunk[F_GROUP][rows, 0], chunk[F_TRAJ][rows, 0],
+                         chunk[F_SAMPLE][rows, 0])  # fmt: skip
         return None
 
     def _alloc(self, packed: dict, B: int) -> None:
@@ -163,28 +183,50 @@ class TrajectoryRecorder:
         finished = self.row_of_slot[ended]
         self.row_of_slot[ended] = self._take_rows(len(ended))  # the slots move on; the rows stay queued
         if self._id_columns is None:
-            self._id_columns = (self._packer.column(F_GROUP), self._packer.column(F_TRAJ))
-        (g_dt, g_col), (t_dt, t_col) = self._id_columns
-        groups = self.store.tensors[g_dt][finished, 0, g_col]
-        trajs = self.store.tensors[t_dt][finished, 0, t_col]
-        self._finish(self.store, finished, lengths, groups, trajs)
+            self._id_columns = tuple(self._packer.column(f) for f in (F_GROUP, F_TRAJ, F_SAMPLE))
+        groups, trajs, samples = (self.store.tensors[dt][finished, 0, col] for dt, col in self._id_columns)
+        self._finish(self.store, finished, lengths, groups, trajs, samples)
 
-    def _finish(self, seg: _Segment, rows, lengths, groups, trajs) -> None:
+    def hold_parts(self, trajs) -> None:
+        """Trajectories that end as parts of an episode going on in a new trajectory (``TokenEnv.pop_parts``): held
+        until the episode's last trajectory is released, which carries them into its batch."""
+        self.parts.update(int(t) for t in trajs)
+
+    def _finish(self, seg: _Segment, rows, lengths, groups, trajs, samples) -> None:
         scores = [None] * len(rows) if self.sampling is None else self._scores(seg, rows, lengths)
         entries = zip([seg] * len(rows), rows.tolist(), lengths.tolist(), groups.tolist(), trajs.tolist(), scores,
-                      strict=True)  # fmt: skip
+                      samples.tolist(), [False] * len(rows), strict=True)  # fmt: skip
+        is_split = bool(self.parts or self.held)
+        if is_split:
+            entries = self._with_parts(entries)
         if self.group_size == 1:
             self.ready.extend(entries)
+            if is_split:
+                self.ready_parts += sum(e[7] for e in entries)
             return
         for entry in entries:
             members = self.waiting.setdefault(entry[3], [])
             members.append(entry)
-            if len(members) == self.group_size:
+            if sum(not e[7] for e in members) == self.group_size:
                 group = self.waiting.pop(entry[3])
-                if self.sampling is None or self.sampling.keep([e[5] for e in group]):
+                if self.sampling is None or self.sampling.keep([e[5] for e in group if not e[7]]):
                     self.ready.extend(group)
+                    self.ready_parts += sum(e[7] for e in group)
                 else:  # no reward spread: dropped here, counted by the filter
                     self.free += [e[1] for e in group if e[0] is self.store]
+
+    def _with_parts(self, entries) -> list[tuple]:
+        """Hold the entries that are parts of an episode going on; put the held parts before their episode's last
+        trajectory (marked as parts: they do not count as trajectories of a group or a batch)."""
+        out = []
+        for e in entries:
+            if e[4] in self.parts:
+                self.parts.discard(e[4])
+                self.held.setdefault((e[3], e[6]), []).append((*e[:7], True))
+                continue
+            out += self.held.pop((e[3], e[6]), [])
+            out.append(e)
+        return out
 
     def _scores(self, seg: _Segment, rows: torch.Tensor, lengths: torch.Tensor) -> list[float]:
         """The finished trajectories' rewards summed over their steps (a view of the rewards, no copy first)."""
@@ -205,6 +247,8 @@ class TrajectoryRecorder:
         """Drop the waiting trajectories of ``groups`` (groups that can no longer complete); returns how many."""
         n = 0
         for g in groups:
+            for key in [k for k in self.held if k[0] == int(g)]:
+                self.free += [e[1] for e in self.held.pop(key) if e[0] is self.store]
             members = self.waiting.pop(int(g), None)
             if members:
                 n += len(members)
@@ -216,7 +260,7 @@ class TrajectoryRecorder:
     # -- reading --
     @property
     def is_full(self) -> bool:
-        return len(self.ready) >= self.batch_size
+        return len(self.ready) - self.ready_parts >= self.batch_size
 
     @property
     def num_waiting(self) -> int:
@@ -230,6 +274,11 @@ class TrajectoryRecorder:
         n = self.batch_size if self.is_full else len(self.ready) if partial else 0
         if n == 0:
             return None
+        if self.ready_parts and n == self.batch_size:  # N episodes' last trajectories, each after its parts
+            finals = n = 0
+            while finals < self.batch_size:
+                finals += not self.ready[n][7]
+                n += 1
         self._peeked = n
         take = self.ready[:n]
         lengths = torch.tensor([e[2] for e in take])
@@ -237,6 +286,8 @@ class TrajectoryRecorder:
         mask = torch.arange(width)[None, :] < lengths[:, None]
         out = self._assemble(take, width, mask)
         out[F_MASK] = mask
+        if any(e[7] for e in take):
+            _give_parts_their_reward(out, take, lengths)
         version, last = out[F_VERSION], (lengths - 1)[:, None]
         out[flat_name(keys.VERSION_START)] = version[:, :1].expand_as(version).clone()
         out[flat_name(keys.VERSION_END)] = version.gather(1, last).expand_as(version).clone()
@@ -246,8 +297,10 @@ class TrajectoryRecorder:
         """Drop the trajectories :meth:`peek` gave (they were delivered); their store rows are free again."""
         take, self.ready = self.ready[: self._peeked], self.ready[self._peeked :]
         self.free += [e[1] for e in take if e[0] is self.store]
+        parts = sum(e[7] for e in take) if self.ready_parts else 0
+        self.ready_parts -= parts
         if self.sampling is not None:
-            self.sampling.commit(self._peeked, self.batch_size)
+            self.sampling.commit(self._peeked - parts, self.batch_size)
         self._peeked = 0
 
     def check_draws(self) -> None:
@@ -297,6 +350,11 @@ class TrajectoryRecorder:
             out[name] = v
         return out
 
+    @property
+    def num_held(self) -> int:
+        """Finished parts of episodes still going on."""
+        return sum(len(p) for p in self.held.values())
+
     def queued_trajectories(self) -> list[int]:
         """Trajectory ids finished but not yet popped."""
         return [e[4] for e in self._entries()]
@@ -305,7 +363,8 @@ class TrajectoryRecorder:
         return [e[3] for e in self._entries()]
 
     def _entries(self) -> list[tuple]:
-        return self.ready + [e for members in self.waiting.values() for e in members]
+        return (self.ready + [e for members in self.waiting.values() for e in members]
+                + [e for parts in self.held.values() for e in parts])  # fmt: skip
 
     # -- checkpoints --
     def state_dict(self) -> dict:
@@ -322,7 +381,8 @@ class TrajectoryRecorder:
         if self.store is not None:
             live = self._packer.unpack({dt: v[self.row_of_slot] for dt, v in self.store.tensors.items()})
         return {"live": live, "queued": queued, "entries": [list(e[2:]) for e in entries],
-                "num_ready": len(self.ready), "counters": dict(self.counters),
+                "num_ready": len(self.ready), "num_waiting": len(entries) - len(self.ready) - self.num_held,
+                "parts": sorted(self.parts), "counters": dict(self.counters),
                 "sampling": None if self.sampling is None else self.sampling.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -335,10 +395,17 @@ class TrajectoryRecorder:
             self.store = _Segment(packed, is_packed=True)
             self.row_of_slot = torch.arange(packed[next(iter(packed))].shape[0])
         seg = None if state["queued"] is None else _Segment(state["queued"])
-        entries = [(seg, i, *e, None)[:6] for i, e in enumerate(state["entries"])]  # (length, group, traj[, score])
-        self.ready, self.waiting = entries[: state["num_ready"]], {}
-        for e in entries[state["num_ready"] :]:
+        # (length, group, traj, score, sample, is_part): older checkpoints lack the last (three)
+        entries = [(seg, i, *e, *(None, -1, False)[len(e) - 3 :]) for i, e in enumerate(state["entries"])]
+        n_ready = state["num_ready"]
+        n_waiting = state.get("num_waiting", len(entries) - n_ready)
+        self.ready, self.waiting, self.held = entries[:n_ready], {}, {}
+        for e in entries[n_ready : n_ready + n_waiting]:
             self.waiting.setdefault(e[3], []).append(e)
+        for e in entries[n_ready + n_waiting :]:
+            self.held.setdefault((e[3], e[6]), []).append(e)
+        self.parts = set(state.get("parts", []))
+        self.ready_parts = sum(bool(e[7]) for e in self.ready)
         self.counters.update(state.get("counters", {}))
         if self.sampling is not None and state.get("sampling") is not None:
             self.sampling.load_state_dict(state["sampling"])

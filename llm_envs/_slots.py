@@ -101,6 +101,7 @@ class Slots:
         self.finished: dict[int, torch.Tensor] = {}
         self.max_finished = 4096
         self.log_probs: torch.Tensor | None = None  # (B, L) sampling log-prob of each generated token, if kept
+        self.parts: list[int] = []  # trajectories that ended as parts of an episode going on, until a collector takes them
 
     def keep_log_probs(self) -> None:
         """Keep each generated token's sampling log-prob beside it (a turn handler that replies with them)."""

@@ -51,6 +51,12 @@ class TurnEnds:
             return TurnEnd(terminated=terminated, truncated=truncated, reward=reward)
         if results is None:  # rewards alone: every episode ends
             results = [Turn(r) for r in rewards.tolist()]
+        split = [i for i, r in enumerate(results) if r.new_trajectory]
+        if split:  # parts of episodes that go on in a new trajectory: truncated here (the episode did not end)
+            rows = [turns.slots[i] for i in split]
+            terminated, truncated = terminated.clone(), truncated.clone()
+            terminated[rows], truncated[rows] = False, True
+            self.slots.parts += [turns.trajectories[i] for i in split]
         appended = self.feedback(turns, results, new_len, who=handler.name)
         if appended:  # continuing slots: not done, their feedback written after the model's tokens
             terminated, truncated = terminated.clone(), truncated.clone()

@@ -21,7 +21,7 @@ class PromptTable:
         pad_token_id: the env tokenizer's pad token id (a tokengym collector records it), the
             default padding of the layouts built from the batch (``to_padded``, ``SequenceActor``...).
         sampling: the sampling settings of the policy that produced the batch (a tokengym collector records
-            its ``SamplingConfig``), kept as a plain dict (:attr:`sampling`) of ``temperature``, ``top_k``,
+            its ``SamplingConfig``), kept as a plain dict (``sampling``) of ``temperature``, ``top_k``,
             ``top_p``, ``greedy`` and ``banned_token_ids``; the sequence actors score with them or refuse a
             mismatch. ``None``: not recorded.
 
@@ -42,6 +42,7 @@ class PromptTable:
         self._text: dict[int, str] = {}
         self._meta: dict[int, dict] = {}
         self._sequences: dict[int, torch.Tensor] = {}  # multi-turn: full token ids by trajectory id
+        self._own: dict[int, torch.Tensor] = {}  # trajectories whose prompt is not their group's (an episode's later part)
 
     def add(self, group_id: int, ids: torch.Tensor, *, text: str = "", metadata: dict | None = None) -> None:
         """Record the prompt of ``group_id`` (later calls for the same id are ignored)."""
@@ -58,6 +59,19 @@ class PromptTable:
     def sequence(self, traj_id: int) -> torch.Tensor:
         """Full token ids of multi-turn trajectory ``traj_id`` (see :meth:`add_sequence`)."""
         return self._lookup(traj_id, self._sequences)
+
+    def add_trajectory_prompt(self, traj_id: int, ids: torch.Tensor) -> None:
+        """Record the prompt of a trajectory that does not start with its group's prompt (the later part of an
+        episode split in several trajectories); layouts then use it for that trajectory."""
+        self._own[int(traj_id)] = ids
+
+    def trajectory_prompt(self, traj_id: int) -> torch.Tensor | None:
+        """The prompt of ``traj_id`` when it has its own (see :meth:`add_trajectory_prompt`), else ``None``."""
+        return self._own.get(int(traj_id))
+
+    def own_prompt_trajs(self) -> list[int]:
+        """Trajectory ids with a prompt of their own."""
+        return list(self._own)
 
     def traj_ids(self) -> list[int]:
         """Trajectory ids with a full sequence recorded."""
@@ -100,6 +114,8 @@ class PromptTable:
             for tid in dict.fromkeys(int(t) for t in torch.as_tensor(traj_ids).reshape(-1).tolist()):
                 if tid in self._sequences:
                     out.add_sequence(tid, self._sequences[tid])
+                if tid in self._own:
+                    out.add_trajectory_prompt(tid, self._own[tid])
         return out
 
     def merge(self, other: PromptTable) -> PromptTable:
@@ -117,6 +133,7 @@ class PromptTable:
             self.add(gid, other.ids(gid), text=other.text(gid), metadata=other.metadata(gid))
         for tid in other.traj_ids():
             self._sequences[tid] = other.sequence(tid)
+        self._own.update(other._own)
         return self
 
     def left_padded(self, group_ids: torch.Tensor, *, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +154,7 @@ class PromptTable:
         sampling = self.sampling and {**self.sampling, "banned_token_ids": list(self.sampling["banned_token_ids"])}
         return {"groups": groups, "ids": [self._ids[g] for g in groups], "text": [self._text[g] for g in groups],
                 "metadata": [self._meta[g] for g in groups], "sequences": dict(self._sequences),
-                "pad_token_id": self.pad_token_id, "sampling": sampling}  # fmt: skip
+                "own_prompts": dict(self._own), "pad_token_id": self.pad_token_id, "sampling": sampling}  # fmt: skip
 
     @classmethod
     def from_state_dict(cls, state: dict) -> PromptTable:
@@ -147,6 +164,8 @@ class PromptTable:
             out.add(gid, ids, text=text, metadata=meta)
         for tid, ids in state["sequences"].items():
             out.add_sequence(tid, ids)
+        for tid, ids in state.get("own_prompts", {}).items():
+            out.add_trajectory_prompt(tid, ids)
         return out
 
     def __repr__(self) -> str:

@@ -241,6 +241,16 @@ class TokenEnv(EnvBase):
         out, slots.finished = slots.finished, {}
         return out
 
+    def pop_parts(self) -> list[int]:
+        """Trajectory ids that ended since the last call as parts of an episode that goes on in a new trajectory
+        (``Turn(new_trajectory=True)``): a TRAJECTORIES collector holds them until their episode's last part."""
+        parts, self._slots.parts = self._slots.parts, []
+        return parts
+
+    def slot_trajectory(self, slot: int) -> int:
+        """The trajectory id of ``slot``'s current trajectory."""
+        return int(self._slots.state[keys.TRAJ_ID][slot])
+
     @property
     def turn_close_ids(self) -> torch.Tensor:
         """Ids the chat template closes an assistant turn with (empty for a single-turn env or no template)."""

@@ -127,6 +127,18 @@ def sequence_scores(td: TensorDictBase, *, reward_key=keys.REWARD, owner: str = 
     return seq, scores, groups
 
 
+def _episodes(td: TensorDictBase, seq: torch.Tensor, groups: torch.Tensor) -> torch.Tensor | None:
+    """Each trajectory's episode (M,) when some trajectories are parts of one episode (same group and sample id:
+    an agent episode split at a history rewrite), else ``None``."""
+    if keys.SAMPLE_ID not in td.keys() or not len(groups):
+        return None
+    mask = seq >= 0
+    sample = torch.zeros_like(groups)
+    sample[seq[mask]] = td.get(keys.SAMPLE_ID)[mask]
+    pairs, episode = torch.unique(torch.stack([groups, sample], 1), dim=0, return_inverse=True)
+    return None if len(pairs) == len(groups) else episode
+
+
 class GroupAdvantage(BatchTransform):
     """Group-relative advantage per trajectory, broadcast to its tokens under ``keys.ADVANTAGE`` [N, T, 1].
 
@@ -171,6 +183,12 @@ class GroupAdvantage(BatchTransform):
     def transform_batch(self, td: TensorDictBase) -> TensorDictBase:
         owner = type(self).__name__
         seq, scores, groups = sequence_scores(td, reward_key=self.reward_key, owner=owner)
+        episode = _episodes(td, seq, groups)
+        if episode is not None:  # parts of split episodes: one score per episode, its advantage to every part
+            seq = torch.where(seq >= 0, episode[seq.clamp(min=0)], seq)
+            first = torch.full((int(episode.max()) + 1,), len(episode), dtype=torch.int64)
+            first.scatter_reduce_(0, episode, torch.arange(len(episode)), reduce="amin")
+            scores, groups = scores[first], groups[first]
         if not self.use_partial_groups and len(groups):
             self._check_whole(td, seq, groups)
         adv_seq = group_advantages(scores, groups, self.estimator, eps=self.eps)
@@ -194,7 +212,7 @@ class GroupAdvantage(BatchTransform):
                              f"{sorted(set(counts.tolist()))}); {fix}")  # fmt: skip
         if keys.SAMPLE_ID in td.keys():
             mask = seq >= 0
-            sample = torch.zeros(len(groups), dtype=torch.int64)
+            sample = torch.zeros(len(groups), dtype=torch.int64, device=groups.device)
             sample[seq[mask]] = td.get(keys.SAMPLE_ID)[mask]
             if bool((sample >= size).any()):
                 bad = int(groups[(sample >= size).nonzero()[0, 0]])

@@ -119,6 +119,22 @@ class SequenceLayout(NamedTuple):
     columns: torch.Tensor
 
 
+def _own_prompts(batch, table: PromptTable, prompt: torch.Tensor, lengths: torch.Tensor, pad_id: int):
+    """The left-padded prompts with every row whose trajectory has a prompt of its own (a split episode's later
+    part, :meth:`PromptTable.add_trajectory_prompt`) taking it."""
+    trajs = batch.get(keys.TRAJ_ID)[:, 0].tolist()
+    own = [table.trajectory_prompt(t) for t in trajs]
+    if all(o is None for o in own):
+        return prompt, lengths
+    rows = [o.to(prompt.device) if o is not None else prompt[i, prompt.shape[1] - int(lengths[i]) :]
+            for i, o in enumerate(own)]  # fmt: skip
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=prompt.device)
+    out = torch.full((len(rows), int(lengths.max())), pad_id, dtype=torch.int64, device=prompt.device)
+    for i, row in enumerate(rows):
+        out[i, out.shape[1] - len(row) :] = row
+    return out, lengths
+
+
 def _multi_turn_rows(batch: TensorDictBase, mask: torch.Tensor) -> torch.Tensor:
     turn = batch.get(keys.TURN, None)
     if turn is None:
@@ -202,6 +218,8 @@ def sequence_layout(batch: TensorDictBase, prompts: PromptTable | None = None, *
     unique, inverse = torch.unique(group, return_inverse=True)
     prompt, lengths = table.left_padded(unique.cpu(), pad_id=pad_id)
     prompt, lengths = prompt.to(device)[inverse], lengths.to(device)[inverse]
+    if table.own_prompt_trajs():  # later parts of split episodes start from prompts of their own
+        prompt, lengths = _own_prompts(batch, table, prompt, lengths, pad_id)
     if bool((lengths == 0).any()):
         raise ValueError(f"{owner}: group {int(group[lengths == 0][0])} has an empty prompt; nothing to condition on")
     width = prompt.shape[1]

@@ -23,7 +23,7 @@ import torch
 
 from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.agents.chat_app import RequestRefused
-from tokengym.llm_envs.agents.messages import assistant_message, chat_reply
+from tokengym.llm_envs.agents.messages import assistant_message, chat_reply, first_difference
 from tokengym.llm_envs.agents.runner import AgentRunner, Episode
 from tokengym.llm_envs.agents.tool_calls import ParsedTurn, ToolCallParser, tool_parser
 from tokengym.llm_envs.errors import PromptError
@@ -63,6 +63,7 @@ class AgentSource(PromptSource):
         self.runner, self.tasks = runner, tasks
         self.failures: collections.deque[AgentError] = collections.deque()
         self.group_first: torch.Tensor | None = None  # the first call's ids of the group being drawn
+        self.continuations: collections.deque[Prompt] = collections.deque()  # split episodes' next trajectories
         self.counts.update(agent_episodes=0, agent_errors=0)
 
     def episode_id(self, draw: Prompt) -> int:
@@ -73,6 +74,8 @@ class AgentSource(PromptSource):
         """The first call of a newly started episode as a prompt; first raises the errors of failed episodes."""
         if self.failures:
             raise self.failures.popleft()
+        if self.continuations:  # a split episode goes on in a new trajectory
+            return self.continuations.popleft()
         draw = super().next()
         return None if draw is None else self.first_call(draw)
 
@@ -89,9 +92,8 @@ class AgentSource(PromptSource):
             raise AgentError(f"agent {self.runner.name} {what} before its first chat call (episode {ep.id}, task "
                              f"{draw.index}); the slot takes the next episode") from (value if kind == "error" else None)  # fmt: skip
         tools = value.get("tools")
-        text = self.tokenizer.apply_chat_template(value["messages"], tools=tools, tokenize=False,
-                                                  add_generation_prompt=True, **self.chat_template_kwargs)  # fmt: skip
-        ids = torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
+        ids = self.render(value["messages"], tools)
+        text = self.tokenizer.decode(ids)
         limit = self.max_prompt_length
         if limit is not None and len(ids) > limit:
             ep.answer(RequestRefused(f"the first request renders to {len(ids)} tokens, more than the {limit} a prompt "
@@ -103,6 +105,12 @@ class AgentSource(PromptSource):
         ep.messages, ep.tools, ep.wants_log_probs = [dict(m) for m in value["messages"]], tools, bool(value.get("logprobs"))
         meta = {TASK_INDEX: draw.index, EPISODE: ep.id, **(dict(task) if isinstance(task, Mapping) else {})}
         return Prompt(ids, text, meta, draw.index, draw.group_id, draw.sample_id, list(ep.messages))
+
+    def render(self, messages: list, tools) -> torch.Tensor:
+        """The ids of a call's whole conversation, as the chat template writes it, with the generation prompt."""
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                  **self.chat_template_kwargs)  # fmt: skip
+        return torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
 
     def check_group_prompt(self, draw: Prompt, ids: torch.Tensor, ep: Episode) -> None:
         """The episodes of one group (one task draw) must open with the same first call: a batch's prompt table
@@ -143,12 +151,18 @@ class AgentTurns(TurnHandler):
 
     wants_log_probs = True  # replies carry each token's log-prob when the agent asks (logprobs=True)
 
+    @property
+    def may_split(self) -> bool:
+        """True with ``on_rewrite="split"``: a call that rewrites the history starts a new trajectory."""
+        return self.runner.on_rewrite == "split"
+
     def __init__(self, source: AgentSource, *, parser: ToolCallParser | None, reward_fn: Callable | None,
                  eos_token_ids: set[int] = frozenset(), max_length: int | None = None) -> None:  # fmt: skip
         self.source, self.runner, self.parser, self.reward_fn = source, source.runner, parser, reward_fn
         self.eos_token_ids, self.max_length = set(eos_token_ids), max_length
         self.renderer = ChatRenderer(source.tokenizer)
         self.tallies = {"malformed_tool_calls": 0, "refused_calls": 0}
+        self.continuing: set[int] = set()  # split episodes whose next trajectory is not in a slot yet
 
     @property
     def counts(self) -> dict[str, int]:
@@ -200,6 +214,11 @@ class AgentTurns(TurnHandler):
                                  f"turn {turns.turns[i]}: {type(value).__name__}: {value}; that episode ended with "
                                  "reward 0, the others go on", value)  # fmt: skip
                 return Turn(0.0, done=True)
+            if self.may_split and first_difference(ep.messages, value["messages"]) is not None:
+                turn = self.split(ep, value, turns.prompts[i])
+                if turn is not None:
+                    return turn
+                continue
             new = value["messages"][len(ep.messages) :]
             ids = None if turns.is_final[i] else self.renderer.feedback_ids(turns.response_ids[i], new)
             if ids is None or (self.max_length is not None and len(turns.history(i)) + len(ids) + 1 > self.max_length):
@@ -211,6 +230,23 @@ class AgentTurns(TurnHandler):
                 continue
             ep.messages, ep.wants_log_probs = [dict(m) for m in value["messages"]], bool(value.get("logprobs"))
             return Turn(0.0, feedback=ids)
+
+    def split(self, ep: Episode, request: dict, prompt: Prompt) -> Turn | None:
+        """A call that rewrites the history: this trajectory ends (a part of the episode) and the episode goes on in
+        a new one, whose prompt is the call's whole conversation rendered (``None``: it does not fit, refused)."""
+        ids = self.source.render(request["messages"], request.get("tools"))
+        limit = self.source.max_prompt_length
+        if limit is not None and len(ids) > limit:
+            self.tallies["refused_calls"] += 1
+            ep.answer(RequestRefused(f"the rewritten conversation renders to {len(ids)} tokens, more than the "
+                                     f"{limit} a trajectory's prompt may have", code="context_length_exceeded"))  # fmt: skip
+            return None
+        self.runner.counts["history_splits"] += 1
+        self.continuing.add(ep.id)
+        ep.messages, ep.wants_log_probs = [dict(m) for m in request["messages"]], bool(request.get("logprobs"))
+        self.source.continuations.append(Prompt(ids, self.source.tokenizer.decode(ids), prompt.metadata, prompt.index,
+                                                prompt.group_id, prompt.sample_id, list(ep.messages)))  # fmt: skip
+        return Turn(0.0, new_trajectory=True)
 
     def reward(self, ep: Episode, value, turn: int) -> float:
         if value is None and self.reward_fn is not None:
@@ -228,11 +264,13 @@ class AgentTurns(TurnHandler):
 
     def release(self, prompts: list[Prompt]) -> None:
         for prompt in prompts:
-            self.runner.end(int(prompt.metadata[EPISODE]))
+            if int(prompt.metadata[EPISODE]) not in self.continuing:  # a split episode goes on in a new trajectory
+                self.runner.end(int(prompt.metadata[EPISODE]))
 
     def refilled(self, held: list[Prompt]) -> None:
         kept = {int(p.metadata[EPISODE]) for p in held}
-        for episode_id in set(self.runner.episodes) - kept:
+        self.continuing -= kept
+        for episode_id in set(self.runner.episodes) - kept - self.continuing:
             self.runner.end(episode_id)
 
     def restart(self, prompts: list[Prompt]) -> None:
@@ -256,7 +294,7 @@ def make_agent_env(agent: Callable, tasks: Sequence, tokenizer, *, tool_parser_n
                    reward_fn: Callable | None = None, time_limit: float | None = None, transport: str = "asgi",
                    temperature: float | None = 1.0, max_turns: int = 8, group_size: int = 1, shuffle: bool = False,
                    seed: int = 0, epochs: int | None = None, chat_template_kwargs: dict | None = None,
-                   **env_kwargs) -> TokenEnv:  # fmt: skip
+                   on_rewrite: str = "error", **env_kwargs) -> TokenEnv:  # fmt: skip
     """A :class:`~tokengym.llm_envs.TokenEnv` whose episodes are runs of ``agent`` on ``tasks`` (see the module).
 
     Args:
@@ -274,6 +312,12 @@ def make_agent_env(agent: Callable, tasks: Sequence, tokenizer, *, tool_parser_n
         group_size: episodes per task (a GRPO group shares ``group_id``).
         shuffle, seed, epochs, chat_template_kwargs: the task order and the first call's rendering, as for a
             :class:`~tokengym.llm_envs.prompts.PromptSource`.
+        on_rewrite: a call that does not continue its episode (the program dropped or edited earlier messages):
+            ``"error"`` refuses it naming the first differing message; ``"split"`` ends the trajectory there and
+            goes on in a new one from the call's whole conversation rendered, each part carrying the episode's reward
+            and ``group_id`` / ``sample_id`` (a TRAJECTORIES collector releases the parts with the episode's last
+            trajectory; :class:`~tokengym.transforms.GroupAdvantage` counts an episode once). Counted in
+            ``history_rewrites`` / ``history_splits``.
         **env_kwargs: the other :class:`~tokengym.llm_envs.TokenEnv` arguments (``batch_size``, ``max_new_tokens``,
             ``max_turn_tokens``, ``max_length``, ``stop_strings``, ``model_config``...).
 
@@ -294,7 +338,9 @@ def make_agent_env(agent: Callable, tasks: Sequence, tokenizer, *, tool_parser_n
         raise ValueError("make_agent_env needs a tokenizer with a chat_template (the calls are chat messages); set "
                          "tokenizer.chat_template")  # fmt: skip
     parser = tool_parser(tool_parser_name)
-    runner = AgentRunner(agent, transport=transport, time_limit=time_limit, temperature=temperature,
+    if on_rewrite not in ("error", "split"):
+        raise ValueError(f"on_rewrite must be 'error' or 'split', got {on_rewrite!r}")
+    runner = AgentRunner(agent, transport=transport, time_limit=time_limit, temperature=temperature, on_rewrite=on_rewrite,
                          max_turn_tokens=env_kwargs.get("max_turn_tokens"),
                          stop_strings=tuple(env_kwargs.get("stop_strings", ())))  # fmt: skip
     source = AgentSource(runner, tasks, tokenizer, group_size=group_size, shuffle=shuffle, seed=seed, epochs=epochs,

@@ -143,7 +143,7 @@ class AgentRunner:
         self.temperature, self.max_turn_tokens, self.stop_strings = temperature, max_turn_tokens, tuple(stop_strings)
         self.on_rewrite = on_rewrite
         self.episodes: dict[int, Episode] = {}
-        self.counts = {"history_rewrites": 0}
+        self.counts = {"history_rewrites": 0, "history_splits": 0}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
         self.base_url: str | None = None

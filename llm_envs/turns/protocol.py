@@ -60,6 +60,10 @@ class Turn:
         role: chat role of a text ``feedback`` (``"user"``, or ``"tool"`` for a tool result).
         done: whether the episode ends with this turn; ``None`` (default): it ends when there is no feedback.
             The env also ends it at ``max_turns``, at the episode budget and when the feedback does not fit.
+        new_trajectory: the trajectory ends with this turn (truncated) but the episode goes on in a new
+            trajectory, whose prompt the handler's prompt source serves next (an agent that rewrote its history).
+            A TRAJECTORIES collector holds such a part until its episode ends, then gives it the episode's
+            reward, in the same batch as the episode's last trajectory.
 
     Example:
         >>> Turn(1.0).is_done, Turn(0.0, "try again").is_done, Turn(0.5, "ok", done=True).is_done
@@ -70,11 +74,12 @@ class Turn:
     feedback: str | Sequence[Message] | torch.Tensor | None = None
     role: str = "user"
     done: bool | None = None
+    new_trajectory: bool = False
 
     @property
     def is_done(self) -> bool:
-        """True when the episode ends with this turn (as far as the handler is concerned)."""
-        return self.feedback is None if self.done is None else bool(self.done)
+        """True when the trajectory ends with this turn (as far as the handler is concerned)."""
+        return True if self.new_trajectory else self.feedback is None if self.done is None else bool(self.done)
 
     def messages(self) -> list[dict]:
         """The feedback as chat messages (``[]`` without feedback or with feedback token ids)."""
@@ -148,6 +153,7 @@ class TurnHandler:
     """
 
     name = "the turn handler"  # what error messages call the handler's answers
+    may_split = False  # True: it may answer Turn(new_trajectory=True) (a TRAJECTORIES collector is needed)
     wants_log_probs = False  #: True: the env keeps each turn's sampling log-probs (FinishedTurns.log_probs)
 
     def end_turns(self, turns: FinishedTurns) -> Sequence[Turn] | torch.Tensor:

@@ -17,7 +17,7 @@ from tokengym.collectors.policies import PaddedSequenceActor, SamplingConfig, Tr
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.agents import AgentError, make_agent_env
 from tokengym.llm_envs.errors import PromptError
-from tokengym.transforms import GroupAdvantage, step_log_probs, to_padded
+from tokengym.transforms import GroupAdvantage, group_advantages, step_log_probs, to_padded
 
 GREEDY = SamplingConfig(greedy=True)
 
@@ -241,4 +241,49 @@ def test_episodes_of_a_group_must_open_alike(tool_tokenizer, tool_model):
     with pytest.raises(PromptError) as info:
         env.reset()
     assert "must open with the same messages" in str(info.value.__cause__)
+    env.close()
+
+
+@pytest.mark.parametrize("source", ["step", "wave"])
+def test_history_rewrite_splits_the_episode_with_the_option(tool_tokenizer, tool_model, source):
+    """on_rewrite="split": the part so far is its own trajectory, the rewritten conversation starts a new one; both
+    carry the episode's reward, group and sample ids; advantages count the episode once."""
+    tok, model = tool_tokenizer, tool_model
+    started = []
+
+    async def agent(client, task):
+        messages = first_messages(task)
+        first = await client.chat.completions.create(model="p", messages=messages, tools=TOOLS)
+        summary = f"(summary: the model said {len(first.choices[0].message.content or '')} chars)"
+        rewritten = [{"role": "user", "content": task["question"] + " " + summary}]  # drops the first turn
+        await client.chat.completions.create(model="p", messages=rewritten, tools=TOOLS)
+        started.append(task)
+        return float(len(started))  # every episode its own reward: groups spread
+
+    env = _env(tok, model, agent, on_rewrite="split", group_size=2, batch_size=2, epochs=1)
+    policy = TransformersPolicy(model, env, return_raw_log_prob=True)
+    batch, errors, collector = _collect_through_errors(env, policy, n=4, source=source)
+    assert not errors and collector.metrics["history_splits"] == 4 == batch.shape[0] // 2  # 4 episodes, 2 parts each
+    rewards = batch[keys.REWARD].sum((1, 2))
+    episode = batch[keys.GROUP_ID][:, 0] * 10 + batch[keys.SAMPLE_ID][:, 0]
+    for e in episode.unique():
+        rows = episode == e
+        assert int(rows.sum()) == 2 and rewards[rows][0] == rewards[rows][1] >= 1  # both parts: the episode's reward
+    assert bool((batch[keys.TURN] == 0).all())  # each part is one turn: the split is not a turn
+    _check_tokens(batch, model, tok)  # the second part's prompt is its own (the rewritten conversation)
+    table = batch.get_non_tensor(keys.PROMPTS)
+    assert len(table.own_prompt_trajs()) == 4
+    adv = GroupAdvantage()(batch)[keys.ADVANTAGE][:, 0, 0]
+    episodes = episode.unique()
+    first = torch.stack([(episode == e).nonzero()[0, 0] for e in episodes])
+    expected = group_advantages(rewards[first], batch[keys.GROUP_ID][first, 0])  # one sample per episode
+    for e, a in zip(episodes, expected, strict=True):
+        torch.testing.assert_close(adv[episode == e], a.expand(2))  # every part: its episode's advantage
+    env.close()
+
+
+def test_split_needs_trajectory_batches(tool_tokenizer, tool_model):
+    env = _env(tool_tokenizer, tool_model, calculator_agent, on_rewrite="split")
+    with pytest.raises(ValueError, match="mode='trajectories'"):
+        TokenCollector(env, TransformersPolicy(tool_model, env), mode="steps", batch_size=8)
     env.close()
