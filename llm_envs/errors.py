@@ -33,7 +33,7 @@ class PromptError(TokenGymError, ValueError):
     """
 
     what = "prompt(s) could not be loaded and were skipped"
-    """What failed, in the summary of a refill's failures (:func:`refill_failures`; subclasses say theirs)."""
+    """What failed, in the summary of a refill's failures (``refill_failures``; subclasses say theirs)."""
 
     def __init__(self, message: str, *, slots: list[int] | None = None, observation=None) -> None:
         super().__init__(message)

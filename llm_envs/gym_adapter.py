@@ -157,7 +157,7 @@ def _make_task(task_id: str, *, render_mode: str | None = None, **env_kwargs) ->
 
 
 def register_envs() -> None:
-    """Register the built-in tasks (ids in :data:`TASK_ENV_IDS`) with gymnasium; calling it again is a no-op.
+    """Register the built-in tasks (ids in ``TASK_ENV_IDS``) with gymnasium; calling it again is a no-op.
 
     ``gymnasium.make`` kwargs go to the task's ``make_*_env``: ``tokenizer`` (required), ``n_prompts``,
     ``max_new_tokens``...

@@ -69,7 +69,7 @@ class PromptSource:
             (e.g. ``{"enable_thinking": False}``).
         overlong: an :class:`OverlongPrompts` or its string: ``"error"`` (default), ``"skip"`` or
             ``"truncate"`` a prompt of more than ``max_prompt_length`` tokens (a TokenEnv caps the
-            limit at its ``max_length - 1``). :attr:`counts` counts the skipped and truncated draws.
+            limit at its ``max_length - 1``). ``counts`` counts the skipped and truncated draws.
         max_prompt_length: the prompt token limit (``None``: only the env's).
 
     Raises:
@@ -232,7 +232,7 @@ class PromptSource:
 
     def rewind(self, seed: int) -> None:
         """Start over from the first draw of the ``seed`` order: the cursor goes back to the start and the
-        shuffle is reseeded with ``seed`` (an iterable is read again from its start; :attr:`counts` stay).
+        shuffle is reseeded with ``seed`` (an iterable is read again from its start; ``counts`` stay).
 
         Example:
             >>> from tokengym.testing import tiny_tokenizer

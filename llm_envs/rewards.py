@@ -131,7 +131,7 @@ class MathAnswerReward:
     with no digit at all against an integer reference (always wrong).
 
     ``verifier="exact"`` takes the last ``\\boxed{...}`` or else the last number and compares the
-    strings after :func:`normalize_answer`. It suits tasks whose answers are plain numbers and where
+    strings after ``normalize_answer``. It suits tasks whose answers are plain numbers and where
     an unevaluated expression must not count (math-verify accepts ``3+4`` for ``7``).
 
     math-verify bounds parsing and comparing with ``signal.alarm`` (``timeout_s`` each), which only
@@ -192,7 +192,7 @@ class MathAnswerReward:
     def is_correct(self, response: str, answer) -> bool:
         """Whether ``response`` gives ``answer`` (the reference), with this reward's verifier.
 
-        A response the verifier raises on is wrong, counted in :attr:`counts` (``reward_errors``).
+        A response the verifier raises on is wrong, counted in ``counts`` (``reward_errors``).
 
         Example:
             >>> MathAnswerReward().is_correct("The answer is 5. Check: 5+2=7", "5")

@@ -73,7 +73,7 @@ class TRLReward:
     """A TRL-convention reward function (``f(prompts, completions, **columns) -> list[float]``) as a ``reward_fn``.
 
     The env calls it as ``reward(responses, prompts, metadata, completion_ids=..., chat_prompts=...)``
-    (:attr:`use_trl_inputs`); called with the three tokengym arguments only, it passes the prompt texts
+    (``use_trl_inputs``); called with the three tokengym arguments only, it passes the prompt texts
     and no ``completion_ids``.
 
     Args:

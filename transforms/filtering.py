@@ -39,7 +39,7 @@ class ZeroStdGroupFilter(BatchTransform):
     A group of a single sample counts as zero-variance. Group statistics are float64, so a group of
     equal scores has a std of exactly 0 and is filtered with the default ``eps=0``. After
     :class:`~tokengym.transforms.KLRewardTransform`, pass ``reward_key=keys.REWARD_RAW``: the KL
-    penalties make shaped scores differ. :attr:`filtered_fraction` (and :meth:`metrics`) reports the
+    penalties make shaped scores differ. ``filtered_fraction`` (and :meth:`metrics`) reports the
     fraction of groups filtered from the last batch.
 
     Args:

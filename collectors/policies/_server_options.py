@@ -1,4 +1,4 @@
-"""Options and errors of :class:`~tokengym.collectors.VLLMServerPolicy` (importable without an HTTP client)."""
+"""Options and errors of :class:`~tokengym.collectors.policies.VLLMServerPolicy` (importable without an HTTP client)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class RequestRejected(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
-    """Options of :class:`~tokengym.collectors.VLLMServerPolicy`: timeouts, failover, where weights go."""
+    """Options of :class:`~tokengym.collectors.policies.VLLMServerPolicy`: timeouts, failover, where weights go."""
 
     request_timeout_s: float = 600.0
     """Longest wait for one generation request; a server that takes longer is marked down."""

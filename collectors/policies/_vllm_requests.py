@@ -1,7 +1,7 @@
 """What every vLLM backend (in-process engine, running servers) asks of vLLM and gets back, in one place.
 
 Per-request seeds, the model's head size (vLLM's CPU attention runs a fixed set), the sampling fields a
-:class:`~tokengym.collectors.SamplingConfig` maps to, the checks that keep ``action_log_prob`` meaning the
+:class:`~tokengym.collectors.policies.SamplingConfig` maps to, the checks that keep ``action_log_prob`` meaning the
 log-prob of the distribution sampled from, the budget check of a wave and the
 :class:`~tokengym.llm_envs.waves.WaveResult` built from the token ids and log-probs vLLM returns. :class:`~tokengym.collectors.policies.vllm_policy.VLLMPolicy` and
 :class:`~tokengym.collectors.policies.vllm_server_policy.VLLMServerPolicy` both use these, so a wave

@@ -3,7 +3,7 @@
 Request ``i`` of a policy seeded with ``seed`` samples with ``request_seeds(seed, i)``, so a run is reproducible
 and a resumed run draws what the uninterrupted one would have. A wave's requests are counted once the wave has
 come back (a failed wave is sent again with the same seeds). Engines' and servers' prefix caches are caches:
-they are not saved. :class:`~tokengym.collectors.VLLMPolicy` and :class:`~tokengym.collectors.VLLMServerPolicy`
+they are not saved. :class:`~tokengym.collectors.policies.VLLMPolicy` and :class:`~tokengym.collectors.policies.VLLMServerPolicy`
 each hold one :class:`RequestSeeds`.
 """
 

@@ -13,12 +13,12 @@ Optional capabilities are class attributes; absent means ``False`` (read them wi
 
 - ``is_wave_only``: the policy is callable but does not step (an ``nn.Module`` that generates waves);
 - ``supports_cache_state``: ``collection_state(include_cache=False)`` leaves out a cache too large to save;
-- ``sampling``: the policy's :class:`~tokengym.collectors.SamplingConfig` (an attribute, not a flag): the
+- ``sampling``: the policy's :class:`~tokengym.collectors.policies.SamplingConfig` (an attribute, not a flag): the
   collector records it with every batch so the sequence actors score what was sampled (:func:`sampling_of`);
 - ``counts()``: a method returning counters the collector adds to its metrics, every key from construction on
   (``VLLMServerPolicy``: servers up, failovers, weight reloads, requests sent again).
 
-Built-in: :class:`~tokengym.collectors.TransformersPolicy` (steps and waves, cache state),
+Built-in: :class:`~tokengym.collectors.policies.TransformersPolicy` (steps and waves, cache state),
 :class:`~tokengym.collectors.PolicyWithReference` (steps), ``VLLMPolicy`` and ``VLLMServerPolicy`` (waves).
 Each checks at construction that it fits its env with :func:`check_fits_env`.
 
@@ -77,7 +77,7 @@ class TokenPolicy(Protocol):
     """Version of the weights; stamped on every token as ``keys.POLICY_VERSION``."""
 
     def update_weights(self, weights: Weights | None = None) -> int:
-        """Load ``weights`` (see :func:`weights_of`; ``None``: the model was updated in place or its checkpoint
+        """Load ``weights`` (see ``weights_of``; ``None``: the model was updated in place or its checkpoint
         is reloaded), drop caches computed under the old weights, bump and return :attr:`version`."""
 
     def set_seed(self, seed: int) -> None:
@@ -133,7 +133,7 @@ def supports_cache_state(policy) -> bool:
 
 
 def sampling_of(policy) -> SamplingConfig | None:
-    """The :class:`~tokengym.collectors.SamplingConfig` ``policy`` samples with (its ``sampling``), or ``None``
+    """The :class:`~tokengym.collectors.policies.SamplingConfig` ``policy`` samples with (its ``sampling``), or ``None``
     when it does not say (a plain function); a ``TypeError`` when ``sampling`` is something else."""
     sampling = getattr(policy, "sampling", None)
     if sampling is not None and not isinstance(sampling, SamplingConfig):
@@ -244,7 +244,7 @@ def check_fits_env(env, backend: str, *, vocab_size: int | None, positions: int 
     and stays within the ids the env accepts; ``positions`` (the context: ``max_position_embeddings``,
     ``max_model_len``) holds the env's ``max_length`` (else ``length_fix``, where ``{positions}`` is
     replaced); ``sampling``'s banned ids are in the vocabulary and leave a token to sample; ``probe_text``,
-    the backend's decoding of :func:`probe_ids` of the env tokenizer, is the env tokenizer's (stop strings
+    the backend's decoding of ``probe_ids()`` of the env tokenizer, is the env tokenizer's (stop strings
     are found in decoded text).
 
     Example:

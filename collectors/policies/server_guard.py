@@ -12,8 +12,8 @@ the key is not in the process list) and refuses to start without it::
     TOKENGYM_SERVER_KEY=<key> VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
         --host 127.0.0.1 --middleware tokengym.collectors.policies.server_guard.ServerKeyGuard ...
 
-:class:`~tokengym.collectors.LocalVLLMServer` starts its servers this way with a random key;
-:class:`~tokengym.collectors.VLLMServerPolicy` sends the key (``ServerOptions(api_key=...)`` or the same
+:class:`~tokengym.collectors.policies.LocalVLLMServer` starts its servers this way with a random key;
+:class:`~tokengym.collectors.policies.VLLMServerPolicy` sends the key (``ServerOptions(api_key=...)`` or the same
 environment variable) with every request. This module needs only the standard library.
 """
 
@@ -42,7 +42,7 @@ _REFUSAL_HEADERS = [(b"content-type", b"application/json"), (b"content-length", 
 
 class ServerKeyGuard:
     """ASGI middleware: a request passes only with ``Authorization: Bearer <key>`` (or to a path in
-    :data:`OPEN_PATHS`); any other gets 401 (a WebSocket is closed with code 1008).
+    ``OPEN_PATHS``); any other gets 401 (a WebSocket is closed with code 1008).
 
     Args:
         app: the ASGI app it guards.

@@ -34,7 +34,7 @@ class TransformersPolicy(TensorDictModuleBase):
 
     Args:
         model: a transformers causal LM (``use_cache`` support required).
-        env: the env whose :attr:`tokens` buffer holds the prompts (a ``TransformedEnv`` of one works).
+        env: the env whose ``tokens`` buffer holds the prompts (a ``TransformedEnv`` of one works).
         sampling: a :class:`SamplingConfig`.
         seed: seed of the sampling generator.
         return_raw_log_prob: also write ``keys.RAW_LOG_PROB`` (model log-prob at temperature 1).

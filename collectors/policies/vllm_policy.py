@@ -4,7 +4,7 @@ Log-prob semantics (the engine runs with vLLM's ``logprobs_mode="processed_logpr
 
 - ``action_log_prob`` (``WaveResult.log_probs``): the log-prob of the sampled token under the
   distribution vLLM sampled from, after banned tokens, temperature, top-k and top-p: the same quantity
-  :class:`~tokengym.collectors.TransformersPolicy` writes. Greedy decoding reports the model's
+  :class:`~tokengym.collectors.policies.TransformersPolicy` writes. Greedy decoding reports the model's
   log-prob (vLLM's greedy path applies no temperature), so greedy needs temperature 1 and no top-k / top-p.
 - ``raw_log_prob`` (``WaveResult.raw_log_probs``): the log-prob under the unmodified model. A vLLM
   engine returns one kind of log-prob, so it is given only when the sampling leaves the distribution
@@ -62,7 +62,7 @@ class VLLMPolicy:
         model: a local model directory (``save_pretrained`` of the model, and of the tokenizer for stop
             strings), or a ``vllm.LLM`` you built (it stays yours: :meth:`close` does not shut it down).
         env: the env whose slots it continues (checks vocabulary and context limit against it).
-        sampling: a :class:`~tokengym.collectors.SamplingConfig`.
+        sampling: a :class:`~tokengym.collectors.policies.SamplingConfig`.
         seed: seed of the engine and of the per-request sampling seeds.
         engine_kwargs: extra ``vllm.LLM`` arguments for an engine built from a directory (e.g.
             ``enforce_eager=True``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``).

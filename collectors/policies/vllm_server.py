@@ -144,7 +144,7 @@ class LocalVLLMServer:
 
     Each :meth:`launch` writes the server's output to a new file, ``log_path`` (in the temporary directory);
     :meth:`stop` removes it unless ``keep_log``. A failed start quotes the first error of the log (the root cause,
-    :func:`root_cause`) and its last lines. On vLLM's CPU backend the KV cache is sized to fit (see the module
+    ``root_cause()``) and its last lines. On vLLM's CPU backend the KV cache is sized to fit (see the module
     docstring). The key reaches the server through its environment (``TOKENGYM_SERVER_KEY``), never its command
     line.
 

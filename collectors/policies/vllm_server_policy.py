@@ -78,7 +78,7 @@ class VLLMServerPolicy:
         urls: base URL of each server (``"http://host:8000"``), or one URL.
         env: the env whose slots it continues (vocabulary, context limit and tokenizer are checked
             against every server at construction).
-        sampling: a :class:`~tokengym.collectors.SamplingConfig`.
+        sampling: a :class:`~tokengym.collectors.policies.SamplingConfig`.
         seed: seed of the per-request sampling seeds.
         options: a :class:`ServerOptions` (timeouts, the weights directory and transport, the model, the key).
 
@@ -103,7 +103,7 @@ class VLLMServerPolicy:
         UserWarning: the policy has a key but a server answers its development endpoints without one (anyone
             who can reach it can replace its weights).
 
-    Example (not run here: see :class:`~tokengym.collectors.LocalVLLMServer` to start a server)::
+    Example (not run here: see :class:`~tokengym.collectors.policies.LocalVLLMServer` to start a server)::
 
         policy = VLLMServerPolicy(["http://10.0.0.1:8000", "http://10.0.0.2:8000"], env,
                                   options=ServerOptions(weights_dir="/shared/weights/run-17", api_key=key))

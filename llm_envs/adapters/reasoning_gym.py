@@ -151,7 +151,7 @@ class ReasoningGymReward:
 
     An answer that makes ``score_answer`` raise (some datasets do on answers a model can write:
     ``prime_factorization`` on any non-number, ``coin_flip`` and ``boxnet`` on ``1e999``) scores 0 and is
-    counted in :attr:`counts`; the first one of each dataset is logged under ``tokengym.rewards``.
+    counted in ``counts``; the first one of each dataset is logged under ``tokengym.rewards``.
 
     Args:
         dataset: as for :meth:`ReasoningGymSpec.parse` (or a :class:`ReasoningGymSpec`).
@@ -204,7 +204,7 @@ class ReasoningGymReward:
         return out
 
     def _score(self, answer: str, entry: dict) -> float:
-        """``score_answer(answer, entry)`` of the dataset; 0 (counted in :attr:`counts`) where it raises."""
+        """``score_answer(answer, entry)`` of the dataset; 0 (counted in ``counts``) where it raises."""
         dataset = self.dataset  # built outside the try: a bad spec is the user's error
         try:
             value = float(dataset.score_answer(answer, entry) or 0.0)

@@ -1,8 +1,8 @@
 """Tools for multi-turn envs: parsing ``<tool>NAME: ARGUMENT</tool>`` calls, a registry, a ``turn_fn``, sandboxes.
 
-Modules: :mod:`.calls` (the call format), :mod:`.safe_arithmetic` (``calculator``),
-:mod:`.python_sandbox` (``run_python`` under bubblewrap or rlimits, the ``python`` tool),
-:mod:`.registry` (``ToolRegistry``), :mod:`.tool_turns` (``ToolTurns``), :mod:`.escaping`
+Modules: ``calls`` (the call format), ``safe_arithmetic`` (``calculator``),
+``python_sandbox`` (``run_python`` under bubblewrap or rlimits, the ``python`` tool),
+``registry`` (``ToolRegistry``), ``tool_turns`` (``ToolTurns``), ``escaping``
 (special tokens in tool output).
 
 Example:

@@ -1,6 +1,6 @@
 """Turn handlers: what a :class:`~tokengym.llm_envs.TokenEnv` does when a slot's turn ends.
 
-See :mod:`~tokengym.llm_envs.turns.protocol` for the protocol; the handlers here are single-turn scoring
+See :class:`TurnHandler` for the protocol; the handlers here are single-turn scoring
 (:class:`RewardTurns`) and feedback turns (:class:`FeedbackTurns`); tool turns live in
 :mod:`tokengym.llm_envs.tools`, external episodes in :mod:`tokengym.llm_envs.adapters`.
 """

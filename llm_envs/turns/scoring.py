@@ -17,7 +17,7 @@ class RewardTurns(TurnHandler):
 
     ``reward_fn`` is called once per step (or wave) for all finished slots. A TRL reward function
     ``f(prompts, completions, **columns)`` is detected and called as TRL calls it
-    (:mod:`~tokengym.llm_envs.trl_rewards`); one declaring ``takes_token_ids = True`` gets the response ids,
+    (:func:`~tokengym.llm_envs.from_trl_reward`); one declaring ``takes_token_ids = True`` gets the response ids,
     undecoded. ``None`` scores 0.
 
     Example:
