@@ -4,6 +4,7 @@ tools, every generated token checked against the policy and teacher forcing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import openai
@@ -286,4 +287,68 @@ def test_split_needs_trajectory_batches(tool_tokenizer, tool_model):
     env = _env(tool_tokenizer, tool_model, calculator_agent, on_rewrite="split")
     with pytest.raises(ValueError, match="mode='trajectories'"):
         TokenCollector(env, TransformersPolicy(tool_model, env), mode="steps", batch_size=8)
+    env.close()
+
+
+def test_reward_fn_scores_the_final_conversation_and_two_calls_at_once_are_refused(tool_tokenizer, tool_model):
+    seen = []
+
+    async def agent(client, task):  # returns None: reward_fn scores; tries two calls at once first
+        messages = first_messages(task)
+        results = await asyncio.gather(*(client.chat.completions.create(model="p", messages=messages) for _ in range(2)),
+                                       return_exceptions=True)  # fmt: skip
+        seen.extend(type(r).__name__ + ": " + str(r) for r in results if isinstance(r, Exception))
+        return None
+
+    def reward_fn(messages, task):
+        return float(len(messages)) + (task is TASKS[1])
+
+    env = _env(tool_tokenizer, tool_model, agent, reward_fn=reward_fn, group_size=1, batch_size=2, epochs=1)
+    policy = TransformersPolicy(tool_model, env, return_raw_log_prob=True)
+    batch, errors, _ = _collect_through_errors(env, policy, n=2)
+    assert not errors and sorted(batch[keys.REWARD].sum((1, 2)).tolist()) == [2.0, 3.0]  # user + assistant (+1)
+    assert len(seen) == 2 and all("ConflictError" in s and "one call at a time" in s for s in seen)
+    env.close()
+
+
+def test_hermes_parser_parallel_calls_and_malformed_text():
+    from tokengym.llm_envs.agents import HermesToolParser, tool_parser
+
+    parser = tool_parser("qwen2.5")
+    assert isinstance(parser, HermesToolParser)
+    turn = parser.parse('Let me add both.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+                        '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 4, \\"b\\": 1}"}\n</tool_call>')  # fmt: skip
+    assert turn.content == "Let me add both." and turn.malformed is None
+    assert [c["function"]["name"] for c in turn.tool_calls] == ["add", "add"]
+    assert [json.loads(c["function"]["arguments"]) for c in turn.tool_calls] == [{"a": 2, "b": 3}, {"a": 4, "b": 1}]
+    assert len({c["id"] for c in turn.tool_calls}) == 2
+    for text, why in [('<tool_call>{"name": "add"', "without its closing"), ("<tool_call>{oops}</tool_call>", "not JSON"),
+                      ('<tool_call>{"arguments": {}}</tool_call>', '"name"'),
+                      ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', "not an object")]:  # fmt: skip
+        bad = parser.parse(text)
+        assert bad.content == text and bad.tool_calls == [] and why in bad.malformed
+    assert parser.parse("no call here").tool_calls == []
+    with pytest.raises(ValueError, match="tool_parser must be one of"):
+        tool_parser("mistral")
+
+
+def test_malformed_tool_calls_are_answered_as_text_and_counted(tool_tokenizer, tool_model):
+    contents = []
+
+    async def agent(client, task):
+        reply = await client.chat.completions.create(model="p", messages=first_messages(task), tools=TOOLS)
+        contents.append((reply.choices[0].message.content, reply.choices[0].finish_reason))
+        return 0.0
+
+    class Strict:  # a parser that calls every turn with a tool call malformed
+        def parse(self, text):
+            from tokengym.llm_envs.agents import ParsedTurn
+
+            return ParsedTurn(text, malformed="strict parser")
+
+    env = _env(tool_tokenizer, tool_model, agent, tool_parser_name=Strict(), group_size=1, batch_size=2, epochs=1)
+    policy = TransformersPolicy(tool_model, env, sampling=GREEDY, return_raw_log_prob=True)
+    _, errors, collector = _collect_through_errors(env, policy, n=2)
+    assert not errors and collector.metrics["malformed_tool_calls"] == 2
+    assert all("<tool_call>" in c and finish == "stop" for c, finish in contents)
     env.close()
