@@ -44,6 +44,8 @@ setup(
         "bench": ["trl==1.16.*"],
         # the documentation site (make docs): Sphinx with MyST Markdown pages and the furo theme
         "docs": ["sphinx==9.0.*", "myst-parser==5.*", "furo==2025.12.19"],
+        # LoRA models (tokengym.collectors.policies.lora); peft 0.21 leaves torch and transformers as they are
+        "lora": ["peft==0.21.*"],
         # environment adapters (tokengym.llm_envs.adapters); openenv-core only runs the test servers
         "reasoning-gym": ["reasoning-gym==0.1.25"],
         "openenv": ["websockets>=13"],

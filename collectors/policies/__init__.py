@@ -3,7 +3,8 @@ base; :class:`StepPolicy` and :class:`WavePolicy`; one "fits this env" check, :f
 backends — transformers with a per-slot KV cache (steps and waves), vLLM in-process and on running
 servers (waves), a policy
 stepped with a reference model, the sampler, the sequence actors the losses read, and LoRA (PEFT) models as
-policies (:mod:`~tokengym.collectors.policies.lora`).
+policies (:class:`~tokengym.collectors.policies.AdaptersDisabled`, :func:`~tokengym.collectors.policies.adapter_weights`,
+:func:`~tokengym.collectors.policies.merged_weights`).
 
 How batches are made (sources, recorders, the collector, Ray and async collection) lives one level up,
 in ``tokengym.collectors``.

@@ -29,7 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["DirectoryTransport", "FleetLock", "WeightTransport"]
+__all__ = ["DirectoryTransport", "FleetLock", "WeightTransport", "load_call", "save_tensors"]
 
 
 @runtime_checkable
@@ -64,6 +64,9 @@ class DirectoryTransport:
         >>> transport.close()
     """
 
+    prefix = "v"
+    """Directory names are ``prefix`` then the version in 8 digits."""
+
     def __init__(self, root: str | os.PathLike | None = None, *, keep: int = 2) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the current version stays on disk), got {keep!r}")
@@ -73,20 +76,12 @@ class DirectoryTransport:
         self.keep = keep
 
     def publish(self, items: list[tuple[str, torch.Tensor]], version: int) -> str:
-        from safetensors.torch import save_file
-
-        target = self.root / f"v{version:08d}"
+        target = self.root / f"{self.prefix}{version:08d}"
         if target.is_dir():  # another process sharing this root wrote this version already
             return str(target)
-        tensors, seen = {}, set()
-        for name, tensor in items:  # safetensors refuses tensors sharing memory (tied layers): copy those
-            tensor = tensor.detach().to("cpu").contiguous()
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-            tensors[name] = tensor.clone() if key in seen else tensor
-            seen.add(key)
         tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=self.root))
         try:
-            save_file(tensors, str(tmp / "model.safetensors"))
+            self.write(tmp, items)
             os.rename(tmp, target)
         except OSError:
             if not target.is_dir():
@@ -96,9 +91,14 @@ class DirectoryTransport:
         self._prune(version)
         return str(target)
 
+    def write(self, directory: Path, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Write ``items`` into ``directory`` (a fresh one, renamed into place once written)."""
+        save_tensors(items, directory / "model.safetensors")
+
     def _prune(self, version: int) -> None:
-        for old in self.root.glob("v*"):
-            if old.name[1:].isdigit() and int(old.name[1:]) <= version - self.keep:
+        for old in self.root.glob(f"{self.prefix}*"):
+            number = old.name[len(self.prefix) :]
+            if number.isdigit() and int(number) <= version - self.keep:
                 shutil.rmtree(old, ignore_errors=True)
 
     def load_calls(self, handle: str) -> list[tuple[str, dict]]:
@@ -107,6 +107,29 @@ class DirectoryTransport:
     def close(self) -> None:
         if self.is_owned:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+async def load_call(fleet, server, path: str, body: dict) -> None:
+    """POST one of :meth:`WeightTransport.load_calls` to ``server``; a 2xx answer that is not JSON (vLLM's
+    ``/v1/load_lora_adapter`` answers plain text) is a success too."""
+    try:
+        await fleet.call(server, "POST", path, body)
+    except json.JSONDecodeError:  # raised only once the status said success
+        pass
+
+
+def save_tensors(items: list[tuple[str, torch.Tensor]], path: Path) -> None:
+    """``items`` as one safetensors file (tensors sharing memory, such as tied layers, are copied: safetensors
+    refuses them)."""
+    from safetensors.torch import save_file
+
+    tensors, seen = {}, set()
+    for name, tensor in items:
+        tensor = tensor.detach().to("cpu").contiguous()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        tensors[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    save_file(tensors, str(path))
 
 
 class FleetLock:

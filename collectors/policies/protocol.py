@@ -54,6 +54,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tensordict import TensorDictBase
 
+from tokengym.collectors.policies.lora import adapter_weights, is_lora_model
 from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.llm_envs import TokenEnv
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
@@ -198,8 +199,9 @@ def load_policy_state(policy, state: dict) -> None:
 
 def weights_of(policy_or_weights, weights=None, *, missing: str = "no weights were given") -> dict[str, torch.Tensor]:
     """The weights of an update as ``{name: tensor}`` with the names of ``model.state_dict()``: the one place
-    a state_dict, a TensorDict of weights (nested keys joined with ``"."``) or a module (its ``state_dict()``)
-    becomes weights. With ``update_policy_weights_(policy_or_weights, *, weights)``'s two arguments
+    a state_dict, a TensorDict of weights (nested keys joined with ``"."``) or a module (its ``state_dict()``; a PEFT
+    LoRA model: its adapter's tensors, :func:`~tokengym.collectors.policies.adapter_weights`) becomes weights. With
+    ``update_policy_weights_(policy_or_weights, *, weights)``'s two arguments
     ``weights`` wins; ``ValueError(missing)`` when both are ``None``.
 
     Example:
@@ -214,7 +216,9 @@ def weights_of(policy_or_weights, weights=None, *, missing: str = "no weights we
     weights = policy_or_weights if weights is None else weights
     if weights is None:
         raise ValueError(missing)
-    if isinstance(weights, torch.nn.Module):
+    if is_lora_model(weights):  # a PEFT LoRA model: its adapter alone (what a LoRA policy loads)
+        weights = adapter_weights(weights)
+    elif isinstance(weights, torch.nn.Module):
         weights = weights.state_dict()
     elif isinstance(weights, TensorDictBase):
         weights = weights.flatten_keys(".").items(include_nested=True, leaves_only=True)

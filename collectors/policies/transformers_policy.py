@@ -7,7 +7,9 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from tokengym.collectors.policies._lora_sync import AdapterSpec, check_not_adapter, tensor_bytes
 from tokengym.collectors.policies.kv_cache import SlotKVCache
+from tokengym.collectors.policies.lora import is_lora_model, merged_weights
 from tokengym.collectors.policies.protocol import Weights, check_fits_env, weights_of
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
 from tokengym.llm_envs import keys
@@ -32,8 +34,11 @@ class TransformersPolicy(TensorDictModuleBase):
     inserts (multi-turn feedback) are prefilled when ``seq_len`` jumps; the model's own tokens are
     never re-tokenized or re-run.
 
+    A ``peft`` LoRA model works as it is: a weight update then copies only the adapter's tensors into it
+    (:func:`~tokengym.collectors.policies.adapter_weights`; ``weight_sync`` is ``"adapter"``).
+
     Args:
-        model: a transformers causal LM (``use_cache`` support required).
+        model: a transformers causal LM (``use_cache`` support required), or a PEFT LoRA model of one.
         env: the env whose ``tokens`` buffer holds the prompts (a ``TransformedEnv`` of one works).
         sampling: a :class:`SamplingConfig`.
         seed: seed of the sampling generator.
@@ -78,6 +83,11 @@ class TransformersPolicy(TensorDictModuleBase):
         self.return_raw_log_prob = return_raw_log_prob
         if return_raw_log_prob:
             self.out_keys = [*self.out_keys, keys.RAW_LOG_PROB]
+        self.adapter = AdapterSpec.of(model) if is_lora_model(model) else None
+        self.weight_sync = "full" if self.adapter is None else "adapter"
+        """What an update sends: ``"adapter"`` (a LoRA model: the adapter's tensors) or ``"full"`` (every weight)."""
+        self.last_update_bytes = 0
+        """Bytes of the tensors the last :meth:`update_weights` copied in (0: the model was trained in place)."""
         self.version = 0
         self._version_tensor: torch.Tensor | None = None
         self._version_stamped = -1  # the version _version_tensor holds (no tensor read per step)
@@ -165,9 +175,25 @@ class TransformersPolicy(TensorDictModuleBase):
     def update_weights(self, weights: Weights | None = None) -> int:
         """Copy ``weights`` into the model (a state_dict, a TensorDict of weights or a module; ``None``: the
         model was updated in place), drop the KV cache (live slots are re-prefilled under the new weights)
-        and bump the version."""
-        if weights is not None:
-            self.model.load_state_dict(_loadable(self.model, weights_of(weights)))
+        and bump the version.
+
+        A LoRA policy takes the adapter only (the PEFT model, its ``adapter_weights`` or its ``state_dict()``)
+        and copies it into its model's adapter; a policy on a plain model given a PEFT model loads its
+        :func:`~tokengym.collectors.policies.lora.merged_weights`.
+        """
+        if weights is self.model:  # trained in place
+            weights = None
+        self.last_update_bytes = 0
+        if weights is not None and self.adapter is not None:
+            tensors = self.adapter.tensors(weights)
+            self.adapter.load_into(self.model, tensors)
+            self.last_update_bytes = tensor_bytes(tensors)
+        elif weights is not None:
+            weights = weights_of(merged_weights(weights) if is_lora_model(weights) else weights)
+            check_not_adapter(weights, "TransformersPolicy's model")
+            weights = _loadable(self.model, weights)
+            self.model.load_state_dict(weights)
+            self.last_update_bytes = tensor_bytes(weights)
         self.reset_cache()
         self.version += 1
         return self.version

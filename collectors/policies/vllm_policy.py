@@ -22,6 +22,13 @@ from __future__ import annotations
 
 import os
 
+from tokengym.collectors.policies._lora_sync import (
+    AdapterSpec,
+    EngineAdapters,
+    check_not_adapter,
+    lora_engine_kwargs,
+    tensor_bytes,
+)
 from tokengym.collectors.policies._vllm_engine import (
     checkpoint_shapes,
     import_vllm,
@@ -43,7 +50,7 @@ from tokengym.collectors.policies._vllm_requests import (
     wave_result,
 )
 from tokengym.collectors.policies._wave_state import RequestSeeds
-from tokengym.collectors.policies.protocol import check_fits_env, probe_ids
+from tokengym.collectors.policies.protocol import check_fits_env, probe_ids, weights_of
 from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
@@ -66,6 +73,12 @@ class VLLMPolicy:
         seed: seed of the engine and of the per-request sampling seeds.
         engine_kwargs: extra ``vllm.LLM`` arguments for an engine built from a directory (e.g.
             ``enforce_eager=True``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``).
+        lora: the PEFT LoRA model being trained (or its ``peft.LoraConfig``) when ``model`` is its base: every
+            wave is sampled with the adapter of the last update (version 0: the PEFT model's adapter, or a zero one),
+            and an update sends the adapter alone, loaded under a new name (``weight_sync`` ``"adapter"``). An
+            engine built here gets ``enable_lora=True`` and the adapter's rank; one without LoRA
+            (``engine_kwargs={"enable_lora": False}``, or an ``LLM`` built without it) gets the base weights with
+            the adapter merged at each update (``"merged"``, the cost of a full update).
 
     Raises:
         ImportError: vLLM is not installed (the message names the extra).
@@ -100,6 +113,7 @@ class VLLMPolicy:
         sampling: SamplingConfig | None = None,
         seed: int = 0,
         engine_kwargs: dict | None = None,
+        lora=None,
     ) -> None:
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
@@ -113,6 +127,8 @@ class VLLMPolicy:
             check_head_size(model_dir_config(model), f"the model in {os.fspath(model)!r}")  # before a minute of start-up
             engine_kwargs = dict(engine_kwargs or {})
             check_logprobs_mode(engine_kwargs.get("logprobs_mode", "processed_logprobs"), self.is_unmodified)
+            if lora is not None:
+                engine_kwargs = lora_engine_kwargs(engine_kwargs, lora)
             self.llm = start_engine(model, max_model_len=int(self.env.max_length), seed=seed, engine_kwargs=engine_kwargs)
             self.is_engine_owned = True
         elif isinstance(model, self._vllm.LLM):
@@ -131,6 +147,28 @@ class VLLMPolicy:
         self._checkpoint = checkpoint_shapes(model_config.model)
         self._tied = tied_outputs(model_config.hf_config)
         self._base_params = self._sampling_params()
+        self.last_update_bytes = 0
+        """Bytes of the tensors the last :meth:`update_weights` sent to the engine."""
+        self.adapter = None if lora is None else AdapterSpec.of(lora, self._checkpoint)
+        self.adapters: EngineAdapters | None = None
+        self.adapters = self._adapters()
+        self.weight_sync = "full" if lora is None else "merged" if self.adapters is None else "adapter"
+        """What an update sends: ``"full"`` weights, the LoRA ``"adapter"``, or the ``"merged"`` weights."""
+
+    def _adapters(self) -> EngineAdapters | None:
+        """The engine's adapter versions (version 0 loaded); ``None`` for an engine without LoRA, whose version 0
+        is the base with the PEFT model's adapter merged (nothing to load for a zero adapter)."""
+        if self.adapter is None:
+            return None
+        try:
+            if self.llm.llm_engine.vllm_config.lora_config is not None:
+                return EngineAdapters(self.llm, self.adapter)
+            if not self.adapter.is_initial_zero():
+                self._load(self.adapter.initial)
+        except ValueError:
+            self.close()
+            raise
+        return None
 
     def _check_engine(self) -> None:
         model_config = self.llm.llm_engine.model_config
@@ -166,7 +204,8 @@ class VLLMPolicy:
         budgets = self._check_request(request)
         params = self._request_params(request, budgets)
         prompts = [{"prompt_token_ids": p.tolist()} for p in request.prompts]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        adapter = None if self.adapters is None else self.adapters.request
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
         self.seeds.advance(n)
         return self._result([o.outputs[0] for o in outputs])
 
@@ -193,18 +232,33 @@ class VLLMPolicy:
         Args:
             weights: a ``transformers`` state_dict or a TensorDict of weights (transformers names), all
                 of them; ``None`` reloads the engine's checkpoint directory (after the trainer saved to it).
+                A LoRA policy takes the PEFT model (or its adapter's tensors): a new adapter version, no
+                cache reset (a new adapter name), or the merged weights for an engine without LoRA.
         """
         if self.llm is None:
             raise RuntimeError("this VLLMPolicy is closed; build a new one")
-        if weights is None:
+        self._load(weights)
+        self.version += 1
+        return self.version
+
+    def _load(self, weights) -> None:
+        if self.adapters is not None:
+            tensors = self.adapter.tensors(weights)
+            self.adapters.load(tensors)
+            self.last_update_bytes = tensor_bytes(tensors)
+            return
+        if self.adapter is not None:  # an engine without LoRA: the base checkpoint with the adapter merged
+            tensors = self.adapter.tensors(weights)
+            weights = self.adapter.merge(read_checkpoint(self.llm.llm_engine.model_config.model), tensors)
+        elif weights is None:
             weights = read_checkpoint(self.llm.llm_engine.model_config.model)
+        check_not_adapter(weights_of(weights), "the VLLMPolicy")
         items = weight_items(weights, self._checkpoint, self._tied)
+        self.last_update_bytes = tensor_bytes(items)
         # vLLM's CPU backend repacks linear weights after loading, so model.load_weights fails on a
         # running engine; the worker's reload path undoes the packing, loads, and packs again
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
         self.llm.reset_prefix_cache()
-        self.version += 1
-        return self.version
 
     # -- state --
     def set_seed(self, seed: int) -> None:
@@ -228,6 +282,9 @@ class VLLMPolicy:
         you built yourself in the same process must outlive them.
         """
         llm, self.llm = getattr(self, "llm", None), None
+        adapters, self.adapters = getattr(self, "adapters", None), None
+        if adapters is not None:
+            adapters.close()
         if llm is not None and self.is_engine_owned:
             stop_engine(llm)
 

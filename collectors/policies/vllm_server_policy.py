@@ -23,8 +23,15 @@ import types
 import urllib.parse
 from pathlib import Path
 
+from tokengym.collectors.policies._lora_servers import ServerAdapters
+from tokengym.collectors.policies._lora_sync import check_not_adapter, tensor_bytes
 from tokengym.collectors.policies._server_options import NoServerError, RequestRejected, ServerOptions
-from tokengym.collectors.policies._server_weights import DirectoryTransport, FleetLock, WeightTransport
+from tokengym.collectors.policies._server_weights import (
+    DirectoryTransport,
+    FleetLock,
+    WeightTransport,
+    load_call,
+)
 from tokengym.collectors.policies._vllm_engine import checkpoint_shapes, tied_outputs, weight_items
 from tokengym.collectors.policies._vllm_requests import (
     check_budgets,
@@ -35,7 +42,7 @@ from tokengym.collectors.policies._vllm_requests import (
     wave_result,
 )
 from tokengym.collectors.policies._wave_state import RequestSeeds
-from tokengym.collectors.policies.protocol import probe_ids
+from tokengym.collectors.policies.protocol import probe_ids, weights_of
 from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
@@ -81,6 +88,10 @@ class VLLMServerPolicy:
         sampling: a :class:`~tokengym.collectors.policies.SamplingConfig`.
         seed: seed of the per-request sampling seeds.
         options: a :class:`ServerOptions` (timeouts, the weights directory and transport, the model, the key).
+        lora: the PEFT LoRA model being trained (or its ``peft.LoraConfig``) when the servers serve its base: updates
+            send the adapter alone, loaded on every server under a new name that requests then name (servers started
+            with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``), else the merged weights
+            (``weight_sync`` says which).
 
     Every request carries the servers' key (``ServerOptions.api_key``, else ``$TOKENGYM_SERVER_KEY``) as
     ``Authorization: Bearer <key>``; the key is never logged, shown or saved with the collection state.
@@ -116,7 +127,7 @@ class VLLMServerPolicy:
     is_wave_only = True
 
     def __init__(self, urls, env, *, sampling: SamplingConfig | None = None, seed: int = 0,
-                 options: ServerOptions | None = None) -> None:  # fmt: skip
+                 options: ServerOptions | None = None, lora=None) -> None:  # fmt: skip
         urls = [urls] if isinstance(urls, str) else list(urls)
         bad = [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]
         if not urls or bad:
@@ -145,9 +156,17 @@ class VLLMServerPolicy:
         self._thread_lock = threading.Lock()  # a wave and a weight update never overlap in this process
         try:
             self._check_servers()
+            self.adapters = None if lora is None else ServerAdapters(lora, self)
         except BaseException:
             self.close()
             raise
+        if self.adapters is not None and self.adapters.transport is not None:  # servers that take LoRA adapters
+            self.transport.close()
+            self.transport = self.adapters.transport
+        self.weight_sync = "full" if self.adapters is None else self.adapters.sync
+        """What an update sends: ``"full"`` weights, the LoRA ``"adapter"``, or the ``"merged"`` weights."""
+        self.last_update_bytes = 0
+        """Bytes of the tensors the last :meth:`update_weights` published."""
         self._base = {**_NEUTRAL, **sampling_fields(self.sampling), "n": 1, "logprobs": 0, "ignore_eos": True,
                       "skip_special_tokens": False, "include_stop_str_in_output": True, "return_token_ids": True}  # fmt: skip
         if self.sampling.banned_token_ids:
@@ -203,7 +222,9 @@ class VLLMServerPolicy:
             base["stop"] = list(request.stop_strings[:_MAX_STOP_STRINGS])
         payloads = [dict(base, prompt=p.tolist(), max_tokens=m, seed=s)
                     for p, m, s in zip(request.prompts, budgets, seeds, strict=True)]  # fmt: skip
-        with self._thread_lock, self.fleet_lock.shared() as (fleet_version, _):
+        with self._thread_lock, self.fleet_lock.shared() as (fleet_version, handle):
+            if self.adapters is not None:  # name the adapter the servers hold
+                self.adapters.name_requests(payloads, handle)
             answers = self.fleet.complete(payloads, self._sticky_keys(request))
         self.seeds.advance(n)  # only once the wave is complete: a failed wave is sent again with the same seeds
         choices = [a["choices"][0] for a in answers]
@@ -241,7 +262,8 @@ class VLLMServerPolicy:
         """
         self._check_open()
         with self._thread_lock:
-            items = None if weights is None else self._weight_items(weights)
+            items = None if weights is None and self.adapters is None else self._weight_items(weights)
+            self.last_update_bytes = 0 if items is None else tensor_bytes(items)
             old = self.version
             # the new version is visible at once (no wave can start before the reload ends: the lock is held):
             # a collector computing the version a queued update will give reads it while the reload runs
@@ -268,6 +290,11 @@ class VLLMServerPolicy:
         return self.checkpoint_dir
 
     def _weight_items(self, weights) -> list:
+        if self.adapters is not None:  # a LoRA policy: its adapter, or the merged weights for servers without LoRA
+            weights = self.adapters.weights(weights)
+            if self.adapters.transport is not None:
+                return list(weights.items())
+        check_not_adapter(weights_of(weights), "the VLLMServerPolicy")
         if self.checkpoint_dir is None:
             raise ValueError(f"the servers' model path {self.answers[0]['root']!r} is not a directory here, so "
                              "the weights' names, shapes and tied layers cannot be checked; pass "
@@ -281,7 +308,7 @@ class VLLMServerPolicy:
 
     async def _load_one(self, server, handle: str) -> None:
         for path, body in self.transport.load_calls(handle):
-            await self.fleet.call(server, "POST", path, body)
+            await load_call(self.fleet, server, path, body)
         await self._reset_prefix_cache(server)
 
     async def _reset_prefix_cache(self, server) -> None:
