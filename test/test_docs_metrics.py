@@ -2,7 +2,7 @@
 
 The keys are read from the page's tables: every row whose first cell is a backquoted key (`` `mean_reward` ``);
 ``{k}`` / ``{n}`` in a key stand for a number (``pass@{k}``). They are compared with the keys of real runs of small
-collectors (``TokenCollector`` in both modes, with dynamic sampling, a verifying reward and a KL transform;
+collectors (``TokenCollector`` in both modes, with dynamic sampling, a verifying reward and a KL transform, on an agent env;
 ``AsyncCollector``; ``RayTokenCollector``), of the transforms' ``metrics()``, of ``train`` and of ``evaluate``.
 """
 
@@ -28,6 +28,7 @@ from tokengym.collectors import (
 from tokengym.collectors.policies import SequenceActor, TransformersPolicy
 from tokengym.evaluation import evaluate
 from tokengym.llm_envs import MathAnswerReward, PromptSource, TokenEnv
+from tokengym.llm_envs.agents import make_agent_env
 from tokengym.testing import tiny_model, tiny_tokenizer
 from tokengym.training import train
 from tokengym.transforms import (
@@ -68,6 +69,11 @@ def _ray_env():
                     group_size=2, max_new_tokens=3, max_length=32)  # fmt: skip
 
 
+async def _agent(client, task):
+    await client.chat.completions.create(model="p", messages=[{"role": "user", "content": task}])
+    return 1.0
+
+
 def _ray_policy(env):
     return TransformersPolicy(tiny_model(env.tokenizer), env)
 
@@ -99,6 +105,10 @@ def written() -> dict[str, set[str]]:
                            postproc=ZeroStdGroupFilter())  # fmt: skip
     run(AsyncCollector(inner, max_staleness=1))
     run(RayTokenCollector(_ray_env, _ray_policy, num_workers=2, mode="trajectories", batch_size=4))
+    env = make_agent_env(_agent, ["1+1=", "2+2="], tok, batch_size=2, max_new_tokens=3, max_length=32,
+                         model_config=model.config)  # fmt: skip
+    run(TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=2))
+    env.close()
     for transform in (kl, kl.controller, ZeroStdGroupFilter(), MismatchCorrection("mask")):
         collector_keys.update(transform.metrics())
 
