@@ -156,7 +156,9 @@ def tiny_model(
     Args:
         tokenizer: e.g. from :func:`tiny_tokenizer`.
         family: ``"qwen2"`` or ``"gpt2"``.
-        size: ``"tiny"`` (2 layers x 64) or ``"small"`` (4 layers x 256).
+        size: ``"tiny"`` (2 layers x 64, attention head size 16) or ``"small"`` (4 layers x 256, head size 64). vLLM
+            on CPU (``VLLMPolicy``, ``LocalVLLMServer``) serves ``"small"``: its CPU attention runs head sizes 32 and
+            up, and the vLLM policies refuse ``"tiny"`` at construction.
         seed: seed for the random init.
         max_positions: context limit written to the config.
     """

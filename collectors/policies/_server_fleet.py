@@ -82,8 +82,8 @@ def describe_answer(response: httpx.Response) -> str:
     except (ValueError, KeyError, TypeError):
         pass
     kind = response.headers.get("content-type", "").split(";")[0].strip()
-    if kind == "text/plain" or (kind == "" and response.text.isprintable()):
-        return response.text[:200] or "(empty body)"
+    if kind in ("text/plain", "application/json") or (kind == "" and response.text.isprintable()):
+        return response.text[:500] or "(empty body)"
     return f"a {kind or 'non-JSON'} page of {len(response.content)} bytes"
 
 

@@ -1,4 +1,6 @@
-"""Helpers shared by the vLLM policy tests: tiny vLLM-compatible models and teacher-forced log-probs."""
+"""Helpers shared by the vLLM policy tests: tiny vLLM-compatible models, teacher-forced log-probs, running servers."""
+
+import contextlib
 
 import pytest
 import torch
@@ -50,3 +52,24 @@ def make_vllm_model():
 def teacher_forcing():
     """``teacher_forcing(model, prompt, actions, sampling=None)``: see :func:`teacher_forced`."""
     return teacher_forced
+
+
+@contextlib.contextmanager
+def running(servers, *, wait=None):
+    """Launch every :class:`LocalVLLMServer` of ``servers`` at once (they start in parallel), wait until those of
+    ``wait`` (default: all) are healthy, and stop them all at the end (their logs go with them)."""
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers if wait is None else wait:
+            server.wait()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def running_servers():
+    """``with running_servers(servers, wait=None): ...``: see :func:`running`."""
+    return running

@@ -46,18 +46,11 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, make_vllm_model):
+def fleet(tmp_path_factory, make_vllm_model, running_servers):
     fleet = Fleet(tmp_path_factory, make_vllm_model)
-    try:
-        for server in fleet.servers:
-            server.launch()
-        for server in fleet.servers:
-            server.wait()
+    with running_servers(fleet.servers):
         yield fleet
-    finally:
-        for server in fleet.servers:
-            server.stop()
-        print("\nfleet timings (s):", {k: round(v, 3) for k, v in fleet.timings.items()})
+    print("\nfleet timings (s):", {k: round(v, 3) for k, v in fleet.timings.items()})
 
 
 def _messages(caplog, level, text):

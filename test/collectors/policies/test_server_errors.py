@@ -48,16 +48,10 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, running_servers):
     servers = Servers(tmp_path_factory)
-    try:
-        for server in servers.all:
-            server.launch()
-        servers.served.wait()
+    with running_servers(servers.all, wait=[servers.served]):  # the other one's failing start is a test
         yield servers
-    finally:
-        for server in servers.all:
-            server.stop()
 
 
 @pytest.fixture(scope="module")

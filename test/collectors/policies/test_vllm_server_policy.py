@@ -94,19 +94,10 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, make_vllm_model):
+def fleet(tmp_path_factory, make_vllm_model, running_servers):
     fleet = Fleet(tmp_path_factory, make_vllm_model)
-    try:
-        for server in fleet.servers:
-            server.launch()
-        for server in fleet.servers:
-            server.wait()
+    with running_servers(fleet.servers):
         yield fleet
-    finally:
-        for server in fleet.servers:
-            server.stop()
-        for server in fleet.servers:
-            server.log_path.unlink(missing_ok=True)
 
 
 def _assert_rows_teacher_forced(result, request, model, teacher_forcing, sampling=None, atol=2e-4):
