@@ -32,11 +32,11 @@ PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def lora(tokenizer, *, seed=0, r=4, family="qwen2", trained=True, targets=None):
+def lora(tokenizer, *, seed=0, r=4, family="qwen2", trained=True, targets=None, task_type=None):
     """A tiny model with a LoRA adapter; ``trained``: the adapter changes the model (B != 0)."""
     targets = targets or (TARGETS if family == "qwen2" else ["c_attn", "c_proj", "c_fc"])
     config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=not trained,
-                             fan_in_fan_out=family == "gpt2")  # fmt: skip
+                             fan_in_fan_out=family == "gpt2", task_type=task_type)  # fmt: skip
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return peft.get_peft_model(tiny_model(tokenizer, family=family), config)
@@ -68,8 +68,9 @@ def _assert_teacher_forced(batch, model, env, atol=1e-5):
     torch.testing.assert_close(forced, batch[keys.ACTION_LOG_PROB] * batch[keys.MASK], atol=atol, rtol=0)
 
 
-def test_a_lora_model_steps_and_generates_waves_alike(tokenizer):
-    model = lora(tokenizer)
+@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])  # PeftModel, PeftModelForCausalLM
+def test_a_lora_model_steps_and_generates_waves_alike(tokenizer, task_type):
+    model = lora(tokenizer, task_type=task_type)
     batches = {}
     for source in ("step", "wave"):
         env = _env(tokenizer, model, seed=1)

