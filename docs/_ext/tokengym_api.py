@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import importlib
 import inspect
+import pathlib
 import re
 
 from docutils import nodes
@@ -23,23 +24,27 @@ from docutils.statemachine import StringList
 from sphinx.util.docutils import SphinxDirective
 from sphinx.util.nodes import nested_parse_with_titles
 
-# Every package with a public ``__all__``, in the order homes are assigned (the first package that exports an
-# object is its home; test/test_public_surface.py checks that there is only one, the top level aside).
-PACKAGES = [
-    "tokengym.llm_envs",
-    "tokengym.llm_envs.turns",
-    "tokengym.llm_envs.tasks",
-    "tokengym.llm_envs.tools",
-    "tokengym.llm_envs.adapters",
-    "tokengym.llm_envs.agents",
-    "tokengym.transforms",
-    "tokengym.collectors",
-    "tokengym.collectors.policies",
-    "tokengym.errors",
-    "tokengym.testing",
-    "tokengym.training",
-    "tokengym.evaluation",
-]
+
+def _public_packages() -> list[str]:
+    """Every public package of the three folders (a directory with ``__init__.py``, no ``_`` in its path) and every
+    public module of ``tokengym/`` with an ``__all__`` (``tokengym.errors``, ``.testing``...), the top level aside."""
+    found = []
+    for folder in ("llm_envs", "transforms", "collectors"):
+        root = pathlib.Path(importlib.import_module(f"tokengym.{folder}").__file__).parent
+        for init in sorted(root.rglob("__init__.py")):
+            parts = init.parent.relative_to(root).parts
+            if not any(part.startswith("_") for part in parts):
+                found.append(".".join(("tokengym", folder, *parts)))
+    top = pathlib.Path(importlib.import_module("tokengym").__file__).parent
+    for module in sorted(top.glob("*.py")):
+        if not module.stem.startswith("_") and hasattr(importlib.import_module(f"tokengym.{module.stem}"), "__all__"):
+            found.append(f"tokengym.{module.stem}")
+    return found
+
+
+# Every package with a public ``__all__``: each gets a page. The first that exports an object is its home
+# (``tokengym.errors`` first); test/test_public_surface.py checks that there is only one, the top level aside.
+PACKAGES = _public_packages()
 # Public modules documented whole (constants without ``__all__``), and the top level (links to the homes).
 MODULES = ["tokengym.llm_envs.keys", "tokengym.collectors.sinks"]
 TOP = "tokengym"
@@ -87,17 +92,18 @@ def _summary(obj: object) -> str:
     """The first sentence of ``obj``'s own docstring, cross-references as literals (a table has no context)."""
     doc = obj.__doc__ if inspect.isclass(obj) or inspect.isroutine(obj) else None
     first = (inspect.cleandoc(doc).split("\n\n")[0] if doc else "").replace("\n", " ")
-    first = re.split(r"(?<=[a-z0-9)`])\. ", first)[0]
+    first = re.split(r"(?<=[a-z0-9)`])\. (?=[A-Z])", first)[0]  # not at "et al. 2019"
     return _ROLE.sub(lambda m: f"``{(m.group(2) or m.group(1)).rsplit('.', 1)[-1]}``", first)
 
 
 def _entry(target: str) -> list[str]:
     """The autodoc directive documenting ``target`` (a dotted path)."""
     obj = _lookup(target)
+    inheritance = ["   :show-inheritance:"] if inspect.isclass(obj) and public_bases(obj.__bases__) else []
     if inspect.isclass(obj) and issubclass(obj, BaseException):
-        return [f".. autoexception:: {target}", "   :members:", "   :show-inheritance:"]
+        return [f".. autoexception:: {target}", "   :members:", *inheritance]
     if inspect.isclass(obj):
-        lines = [f".. autoclass:: {target}", "   :members:", "   :inherited-members:", "   :show-inheritance:"]
+        lines = [f".. autoclass:: {target}", "   :members:", "   :inherited-members:", *inheritance]
         if issubclass(obj, enum.Enum):
             lines.append("   :undoc-members:")
         return lines
@@ -197,13 +203,12 @@ def _defined_in(obj: object) -> str:
 
 
 def skip_foreign_members(app, what, name, obj, skip, options):
-    """``autodoc-skip-member``: leave out what a class inherits from torch, TorchRL, abc... (not tokengym), and
+    """``autodoc-skip-member``: leave out what a class inherits from torch, TorchRL, str... (not tokengym), and
     a named tuple's field accessors (the class docstring's ``Attributes:`` describes the fields)."""
     if (getattr(obj, "__doc__", None) or "").startswith("Alias for field number"):
         return True
     if what in ("class", "exception") and (inspect.isroutine(obj) or isinstance(obj, property)):
-        module = _defined_in(obj)
-        if module and not module.startswith("tokengym"):
+        if not _defined_in(obj).startswith("tokengym"):  # "" for a builtin's method: str.encode, tuple.count
             return True
     return None
 
@@ -230,16 +235,20 @@ def drop_foreign_docstrings(app, what, name, obj, options, lines):
             return
 
 
+def public_bases(bases) -> list:
+    """``bases`` with each private base class replaced by its own bases, and without ``object``."""
+    out = []
+    for base in bases:
+        if getattr(base, "__name__", "").startswith("_"):
+            out += public_bases(base.__bases__)
+        elif base is not object:
+            out.append(base)
+    return out
+
+
 def drop_private_bases(app, name, obj, options, bases):
     """``autodoc-process-bases``: show a private base class's public bases instead of it, and no ``object``."""
-    bases[:] = [base for base in bases if base is not object]
-    index = 0
-    while index < len(bases):
-        base = bases[index]
-        if getattr(base, "__name__", "").startswith("_"):
-            bases[index : index + 1] = [b for b in base.__bases__ if b is not object]
-        else:
-            index += 1
+    bases[:] = public_bases(bases)
 
 
 class _Resolver:
