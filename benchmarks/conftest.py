@@ -1,6 +1,6 @@
 """Benchmark setup: one torch thread, as in the tests; same-run ratio tables printed at the end.
 
-The tables are markdown with the date, the machine and the configuration, so the README's tables
+The tables are markdown with the date, the machine and the configuration, so the tables of docs/benchmarks.md
 are regenerated from ``make bench`` output.
 """
 

@@ -113,7 +113,7 @@ def generate(env, texts):
 
 
 def test_readme_example_as_written(tokenizer):
-    """The README's "TRL reward functions" example, verbatim but for the tokenizer."""
+    """The "TRL reward functions" example of docs/guides/environments.md, with its rewards checked."""
     from tokengym.llm_envs import TokenEnv
 
     def correct(prompts, completions, answer, **kwargs):  # as in TRL's docs: dataset columns by name
