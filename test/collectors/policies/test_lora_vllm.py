@@ -85,13 +85,10 @@ def setup(base):
 
 
 @pytest.fixture(scope="module")
-def server(base):
+def server(base, running_servers):
     server = LocalVLLMServer(base.path, args=SERVER_ARGS, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-        server.log_path.unlink(missing_ok=True)
+    with running_servers([server]):
+        yield server
 
 
 def _server_policy(server, env, model, **kwargs):
