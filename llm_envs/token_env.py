@@ -16,7 +16,7 @@ from tokengym.llm_envs._loading import PromptLoader
 from tokengym.llm_envs._slots import Slots
 from tokengym.llm_envs._stop import StopChecker
 from tokengym.llm_envs._turn_ends import TurnEnds
-from tokengym.llm_envs.errors import PromptError, ResetNeeded, RewardFunctionError
+from tokengym.llm_envs.errors import PromptError, ResetNeeded, RewardFunctionError, refill_failures
 from tokengym.llm_envs.prompts import Prompt, PromptSource
 from tokengym.llm_envs.turns.protocol import TurnHandler
 from tokengym.llm_envs.turns.render import ChatRenderer
@@ -344,11 +344,7 @@ class TokenEnv(EnvBase):
         obs = self._reset_observation()
         if failed:
             b, err = failed[0]
-            raise PromptError(
-                f"{len(failed)} prompt(s) could not be loaded and were skipped (slot {b}: {err}); "
-                "the slots are refilled with the next prompts on the next refill, nothing collected is lost",
-                slots=[s for s, _ in failed], observation=obs,
-            ) from err
+            raise PromptError(refill_failures(failed), slots=[s for s, _ in failed], observation=obs) from err
         return obs
 
     def restart(self, slots: Iterable[int]) -> TensorDictBase:

@@ -41,6 +41,8 @@ class AgentError(PromptError):
     """An agent episode failed (the program raised, ran past its time limit, or returned no usable reward);
     only that episode ended, with reward 0."""
 
+    what = "agent episode(s) failed and ended with reward 0"
+
 
 class AgentSource(PromptSource):
     """Prompts from agent programs: each draw of a task starts one episode and waits for its first chat call,

@@ -119,13 +119,19 @@ class ChatApp:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         config = uvicorn.Config(self, log_level="warning", lifespan="off", access_log=False)
-        self.server = uvicorn.Server(config)
-        loop.create_task(self.server.serve(sockets=[sock]))
+        self.server, self.socket = uvicorn.Server(config), sock
+        self.serving = loop.create_task(self.server.serve(sockets=[sock]))
         while not self.server.started:
             await asyncio.sleep(0.005)
         return f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
 
     async def shutdown(self) -> None:
+        """Stop serving and close the listening socket (the port is free when this returns)."""
         if self.server is not None:
             self.server.should_exit = True
-            await asyncio.sleep(0.05)
+            try:
+                await asyncio.wait_for(self.serving, 5)
+            except (TimeoutError, asyncio.CancelledError):
+                self.serving.cancel()
+            self.socket.close()
+            self.server = None
