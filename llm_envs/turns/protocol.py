@@ -76,6 +76,11 @@ class Turn:
     done: bool | None = None
     new_trajectory: bool = False
 
+    def __repr__(self) -> str:
+        split = ", new_trajectory=True" if self.new_trajectory else ""
+        return (f"Turn(reward={self.reward!r}, feedback={self.feedback!r}, role={self.role!r}, done={self.done!r}"
+                f"{split})")
+
     @property
     def is_done(self) -> bool:
         """True when the trajectory ends with this turn (as far as the handler is concerned)."""
