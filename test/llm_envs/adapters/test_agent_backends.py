@@ -115,6 +115,49 @@ def test_agent_env_on_ray_workers(lm):
             ray.shutdown()
 
 
+async def rewriting_agent(client, task):
+    """Two calls, the second with the first turn dropped (a rewrite): with on_rewrite="split", two trajectories."""
+    await client.chat.completions.create(model="p", messages=[{"role": "user", "content": task}])
+    await client.chat.completions.create(model="p", messages=[{"role": "user", "content": task + " again"}])
+    return float(len(task))
+
+
+def test_split_episodes_on_ray_workers(lm):
+    import ray
+
+    from tokengym.collectors.ray_collector import RayTokenCollector
+    from tokengym.transforms import to_padded
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        weights = {k: v.clone() for k, v in lm.state_dict().items()}
+
+        def make_policy(env):
+            model = copy.deepcopy(lm)
+            model.load_state_dict(weights)
+            return TransformersPolicy(model, env, return_raw_log_prob=True)
+
+        env_fn = functools.partial(make_env, rewriting_agent, on_rewrite="split")
+        with RayTokenCollector(env_fn, make_policy, num_workers=2, mode="trajectories", batch_size=2,
+                               total_steps=800) as collector:  # fmt: skip
+            batch = next(iter(collector))
+            assert collector.metrics["history_splits"] >= 2
+        assert batch.shape[0] == 4  # 2 episodes, each a part and its last trajectory
+        episode = batch[keys.GROUP_ID][:, 0] * 100 + batch[keys.SAMPLE_ID][:, 0]
+        rewards = batch[keys.REWARD].sum((1, 2))
+        for e in episode.unique():
+            assert (episode == e).sum() == 2 and rewards[episode == e].unique().numel() == 1
+        mask = batch[keys.MASK]
+        scored = step_log_probs(lm, batch)  # the parts' own prompts travel with the workers' batches
+        torch.testing.assert_close(scored[mask], batch[keys.RAW_LOG_PROB][mask], atol=1e-5, rtol=0)
+        assert to_padded(batch).shape[0] == 4
+    finally:
+        if started:
+            ray.shutdown()
+
+
 @pytest.mark.parametrize("bad", ["no template", "no tokenizer"])
 def test_make_agent_env_refuses_a_tokenizer_it_cannot_use(bad):
     tok = tiny_tokenizer()
