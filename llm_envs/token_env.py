@@ -244,7 +244,9 @@ class TokenEnv(EnvBase):
     def pop_parts(self) -> list[int]:
         """Trajectory ids that ended since the last call as parts of an episode that goes on in a new trajectory
         (``Turn(new_trajectory=True)``): a TRAJECTORIES collector holds them until their episode's last part."""
-        parts, self._slots.parts = self._slots.parts, []
+        parts = self._slots.parts
+        if parts:  # the usual step splits nothing: no new list
+            self._slots.parts = []
         return parts
 
     def slot_trajectory(self, slot: int) -> int:

@@ -2,6 +2,7 @@
 
 import copy
 
+import peft  # noqa: E402 (the lora extra; make test installs it)
 import pytest
 import torch
 from torchrl.objectives import ClipPPOLoss
@@ -25,8 +26,6 @@ from tokengym.collectors.policies._vllm_engine import checkpoint_shapes
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_model
 from tokengym.transforms import GroupAdvantage, KLRewardTransform, to_padded
-
-peft = pytest.importorskip("peft")
 
 PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

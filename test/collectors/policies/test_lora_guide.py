@@ -7,11 +7,6 @@ import io
 import pathlib
 import re
 
-import pytest
-
-pytest.importorskip("peft")
-pytest.importorskip("vllm")
-
 PAGE = pathlib.Path(__file__).resolve().parents[3] / "docs" / "guides" / "lora.md"
 _VLLM_LOG = re.compile(r"^(\(\S+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d ")  # vLLM logs to stdout
 _BLOCK = re.compile(r"^```python\n(.*?)^```\n(?:\s*^```text\n(.*?)^```\n)?", re.M | re.S)

@@ -8,6 +8,7 @@ runs on 127.0.0.1 and is stopped by process group at the end.
 import dataclasses
 
 import httpx
+import peft  # noqa: E402 (the lora extra; make test installs it)
 import pytest
 import torch
 from torchrl.objectives.llm import GRPOLoss
@@ -21,12 +22,10 @@ from tokengym.collectors.policies import (
     VLLMServerPolicy,
     adapter_weights,
 )
+from tokengym.collectors.policies.vllm_policy import VLLMPolicy  # noqa: E402
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_tokenizer
 from tokengym.transforms import GroupAdvantage, to_padded
-
-peft = pytest.importorskip("peft")
-VLLMPolicy = pytest.importorskip("tokengym.collectors.policies.vllm_policy").VLLMPolicy
 
 PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -89,30 +89,39 @@ def test_agent_env_behind_async_collector_with_weight_updates(lm):
     env.close()
 
 
-def test_agent_env_on_ray_workers(lm):
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray for this module's Ray tests (one already running is used as is)."""
     import ray
-
-    from tokengym.collectors.ray_collector import RayTokenCollector
 
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        weights = {k: v.clone() for k, v in lm.state_dict().items()}
+    yield
+    if started:
+        ray.shutdown()
 
-        def make_policy(env):
-            model = copy.deepcopy(lm)
-            model.load_state_dict(weights)
-            return TransformersPolicy(model, env)
 
-        with RayTokenCollector(make_env, make_policy, num_workers=2, mode="trajectories", batch_size=4,
-                               total_steps=800) as collector:  # fmt: skip
-            batch = next(iter(collector))
-        assert batch.shape[0] == 4 and len(_rows(batch)) >= 2
-        assert set(batch[keys.REWARD].sum((1, 2)).tolist()) <= {0.0, 1.0, 2.0}
-    finally:
-        if started:
-            ray.shutdown()
+def _worker_policies(lm, **kwargs):
+    """``make_policy(env)`` for Ray workers: a copy of ``lm`` with its weights, in a TransformersPolicy."""
+    weights = {k: v.clone() for k, v in lm.state_dict().items()}
+
+    def make_policy(env):
+        model = copy.deepcopy(lm)
+        model.load_state_dict(weights)
+        return TransformersPolicy(model, env, **kwargs)
+
+    return make_policy
+
+
+def test_agent_env_on_ray_workers(lm, local_ray):
+    from tokengym.collectors.ray_collector import RayTokenCollector
+
+    with RayTokenCollector(make_env, _worker_policies(lm), num_workers=2, mode="trajectories", batch_size=4,
+                           total_steps=800) as collector:  # fmt: skip
+        batch = next(iter(collector))
+    assert batch.shape[0] == 4 and len(_rows(batch)) >= 2
+    assert set(batch[keys.REWARD].sum((1, 2)).tolist()) <= {0.0, 1.0, 2.0}
 
 
 async def rewriting_agent(client, task):
@@ -122,40 +131,24 @@ async def rewriting_agent(client, task):
     return float(len(task))
 
 
-def test_split_episodes_on_ray_workers(lm):
-    import ray
-
+def test_split_episodes_on_ray_workers(lm, local_ray):
     from tokengym.collectors.ray_collector import RayTokenCollector
     from tokengym.transforms import to_padded
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        weights = {k: v.clone() for k, v in lm.state_dict().items()}
-
-        def make_policy(env):
-            model = copy.deepcopy(lm)
-            model.load_state_dict(weights)
-            return TransformersPolicy(model, env, return_raw_log_prob=True)
-
-        env_fn = functools.partial(make_env, rewriting_agent, on_rewrite="split")
-        with RayTokenCollector(env_fn, make_policy, num_workers=2, mode="trajectories", batch_size=2,
-                               total_steps=800) as collector:  # fmt: skip
-            batch = next(iter(collector))
-            assert collector.metrics["history_splits"] >= 2
-        assert batch.shape[0] == 4  # 2 episodes, each a part and its last trajectory
-        episode = batch[keys.GROUP_ID][:, 0] * 100 + batch[keys.SAMPLE_ID][:, 0]
-        rewards = batch[keys.REWARD].sum((1, 2))
-        for e in episode.unique():
-            assert (episode == e).sum() == 2 and rewards[episode == e].unique().numel() == 1
-        mask = batch[keys.MASK]
-        scored = step_log_probs(lm, batch)  # the parts' own prompts travel with the workers' batches
-        torch.testing.assert_close(scored[mask], batch[keys.RAW_LOG_PROB][mask], atol=1e-5, rtol=0)
-        assert to_padded(batch).shape[0] == 4
-    finally:
-        if started:
-            ray.shutdown()
+    env_fn = functools.partial(make_env, rewriting_agent, on_rewrite="split")
+    with RayTokenCollector(env_fn, _worker_policies(lm, return_raw_log_prob=True), num_workers=2,
+                           mode="trajectories", batch_size=2, total_steps=800) as collector:  # fmt: skip
+        batch = next(iter(collector))
+        assert collector.metrics["history_splits"] >= 2
+    assert batch.shape[0] == 4  # 2 episodes, each a part and its last trajectory
+    episode = batch[keys.GROUP_ID][:, 0] * 100 + batch[keys.SAMPLE_ID][:, 0]
+    rewards = batch[keys.REWARD].sum((1, 2))
+    for e in episode.unique():
+        assert (episode == e).sum() == 2 and rewards[episode == e].unique().numel() == 1
+    mask = batch[keys.MASK]
+    scored = step_log_probs(lm, batch)  # the parts' own prompts travel with the workers' batches
+    torch.testing.assert_close(scored[mask], batch[keys.RAW_LOG_PROB][mask], atol=1e-5, rtol=0)
+    assert to_padded(batch).shape[0] == 4
 
 
 @pytest.mark.parametrize("bad", ["no template", "no tokenizer"])
