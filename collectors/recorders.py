@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from tokengym.collectors._packing import F_ACTIVE, F_MASK, Packer, Step, chunk_width, flat_name, to_tensordict
+from tokengym.collectors._packing import F_ACTIVE, F_MASK, Step, chunk_width, flat_name, to_tensordict
+from tokengym.collectors._step_chunks import stack_steps
 from tokengym.collectors.trajectory_recorder import TrajectoryRecorder
 
 __all__ = ["Step", "StepRecorder", "TrajectoryRecorder", "flat_name"]
@@ -26,20 +27,16 @@ class StepRecorder:
     """
 
     def __init__(self, steps: int) -> None:
-        self.steps, self.t, self.buf, self._packer = steps, 0, None, None
+        self.steps, self.t = steps, 0
         self.pieces: list[dict] = []  # wave chunks (B, k, ...) as given: concatenated once, at peek
+        self.kept: list[Step] = []  # single steps as given: stacked once, at peek (no copy per step)
 
     def write(self, chunk: dict) -> dict | None:
         """Write the first columns of ``chunk`` (B, k, ...) (or a :class:`Step`) that fit; return the rest."""
-        if isinstance(chunk, Step) and self.pieces:  # a restored partial batch: go on in its layout
-            return self.write({name: v.unsqueeze(1) for name, v in chunk.items()})
         if isinstance(chunk, Step):
-            if self.buf is None:
-                self._packer = Packer(chunk)
-                B = next(iter(chunk.values())).shape[0]
-                self.buf = {dt: v.new_empty(B, self.steps, v.shape[-1]) for dt, v in self._packer.pack(chunk).items()}
-            for dtype, v in self._packer.pack(chunk).items():
-                self.buf[dtype][:, self.t] = v
+            if self.pieces:  # a restored partial batch: go on in its layout
+                return self.write({name: v.unsqueeze(1) for name, v in chunk.items()})
+            self.kept.append(chunk)
             self.t += 1
             return None
         k = chunk_width(chunk)
@@ -68,15 +65,14 @@ class StepRecorder:
 
     def commit(self) -> None:
         """Drop the batch :meth:`peek` gave (it was delivered)."""
-        self.buf, self.t, self.pieces = None, 0, []
+        self.t, self.pieces, self.kept = 0, [], []
 
     def _steps(self) -> dict:
-        """The steps written so far by flat name, (B, t, ...)."""
-        if self.pieces:
-            return {name: torch.cat([p[name] for p in self.pieces], 1) if len(self.pieces) > 1 else self.pieces[0][name].clone()
-                    for name in self.pieces[0]}  # fmt: skip
-        buf = self.buf if self.t == self.steps else {dt: v[:, : self.t] for dt, v in self.buf.items()}
-        return self._packer.unpack(buf)
+        """The steps written so far by flat name, (B, t, ...) (new tensors)."""
+        if self.kept:
+            return stack_steps(self.kept)
+        return {name: torch.cat([p[name] for p in self.pieces], 1) if len(self.pieces) > 1 else self.pieces[0][name].clone()
+                for name in self.pieces[0]}  # fmt: skip
 
     def queued_trajectories(self) -> list[int]:
         return []
@@ -88,7 +84,7 @@ class StepRecorder:
         return {"t": self.t, "steps": self._steps()}  # copies
 
     def load_state_dict(self, state: dict) -> None:
-        self.buf, self.t, self.pieces = None, 0, []
+        self.t, self.pieces, self.kept = 0, [], []
         if state.get("t", 0):
             if "steps" not in state:
                 raise ValueError("a StepRecorder resumes only at a batch boundary (checkpoint between batches)")

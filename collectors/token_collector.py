@@ -137,7 +137,10 @@ class TokenCollector(CollectorBase):
     def _drop_orphans(self) -> None:
         """Drop waiting groups that can no longer complete (a sample's prompt failed to load): no slot and
         no sample still to come from the prompt source holds them."""
-        if not isinstance(self.recorder, TrajectoryRecorder) or not self.recorder.waiting:
+        if not isinstance(self.recorder, TrajectoryRecorder):
+            return
+        self.recorder.flush()
+        if not self.recorder.waiting:
             return
         live = {p.group_id for b in range(self.base_env.batch_size[0]) if (p := self.base_env.slot_prompt(b))}
         cursor = self.base_env.source.state_dict()

@@ -18,6 +18,7 @@ from tokengym.collectors._packing import (
     flat_name,
     to_tensordict,
 )
+from tokengym.collectors._step_chunks import DeferredSteps, segment_rows
 from tokengym.collectors.dynamic_sampling import DynamicSampling, SpreadFilter
 from tokengym.llm_envs import keys
 
@@ -100,13 +101,18 @@ class TrajectoryRecorder:
         self.ready_parts = 0  # parts among the ready entries
         self.counters = {"dropped_groups": 0, "dropped_trajectories": 0}
         self._peeked = 0  # ready trajectories the last peek() gave
+        # single steps are kept as they come and written as one chunk when they may complete a batch (or are many):
+        # every reader below writes them first (flush)
+        self.deferred = DeferredSteps()
 
     # -- writing --
     def write(self, chunk: dict) -> None:
         """Record k steps (B, k, ...) (or a :class:`Step`); trajectories that end are queued by group."""
         if isinstance(chunk, Step):
-            self._write_steps(chunk)
+            if self.deferred.add(chunk, self._could_fill):
+                self.flush()
             return None
+        self.flush()
         active = chunk[F_ACTIVE]  # (B, k)
         done = chunk[F_DONE].reshape(active.shape)
         first = active[:, 0]
@@ -136,45 +142,72 @@ class TrajectoryRecorder:
         rows, self.free = self.free[:n], self.free[n:]
         return torch.tensor(rows, dtype=torch.int64)
 
-    def _write_steps(self, chunk: dict, rows: torch.Tensor | None = None) -> None:
-        """Write live steps into the slots' store rows at their response positions; queue rows that end."""
+    def flush(self) -> None:
+        """Write the steps kept so far (see :class:`~tokengym.collectors._step_chunks.DeferredSteps`)."""
+        chunk = self.deferred.take()
+        if chunk is not None:
+            self._write_step_chunk(chunk)
+
+    def _could_fill(self, finished: dict[int, int]) -> bool:
+        """Whether trajectories finished in kept steps (counts by group) may complete a batch once written."""
+        if self.sampling is not None:  # its draw bound is checked between steps on the ready groups: keep them exact
+            return True
+        ready, g = len(self.ready) - self.ready_parts, self.group_size
+        if g == 1:
+            return ready + sum(finished.values()) >= self.batch_size
+        complete = sum(g for group, n in finished.items() if n + len(self.waiting.get(group, ())) >= g)
+        return ready + complete >= self.batch_size
+
+    def _write_step_chunk(self, chunk: dict) -> None:
+        """Write consecutive steps (B, k, ...) of the step source: a slot may end a trajectory and start the next
+        within them (the next goes to a free row); finished ones are queued in the order stepping finished them."""
         if self._packer is None:
             self._packer = Packer(chunk)
-        if isinstance(chunk, Step):
-            packed = self._packer.pack(chunk)
-            if self.store is None:
-                self._alloc(packed, packed[next(iter(packed))].shape[0])
-            # every slot's step goes to its own row (an idle slot's row holds no trajectory): no gather of the
-            # live slots first, one write per dtype
-            pos = chunk[F_RESP].clamp(max=self.max_steps - 1)
-            cell = self.row_of_slot * self.max_steps + pos  # index_copy_ on the flat rows: cheaper than index_put_
-            for dt, v in packed.items():
-                store = self.store.tensors[dt]
-                store.view(-1, store.shape[-1]).index_copy_(0, cell, v)
-            slots = (chunk[F_DONE].reshape(-1) & chunk[F_ACTIVE]).nonzero().squeeze(-1)  # one sync: no any() first
-            if len(slots):
-                self._queue_finished(slots, pos[slots] + 1)
-            return
-        else:
-            # the rows' live cells, packed from the chunk as it is (no gather of the rows first)
-            sel = chunk[F_ACTIVE].clone()
-            keep = torch.zeros(sel.shape[0], dtype=torch.bool)
-            keep[rows] = True
-            sel &= keep[:, None]
-            slots, cols = sel.nonzero(as_tuple=True)
-            # gather the live cells per key (one flat index, index_select: cheaper than (row, col) indexing), then
-            # pack those: the interleaving copy runs over them only
-            cell = slots * sel.shape[1] + cols
-            packed = self._packer.pack(Step({name: v.reshape(-1, *v.shape[2:]).index_select(0, cell)
-                                             for name, v in chunk.items()}))  # fmt: skip
-            if self.store is None:
-                self._alloc(packed, sel.shape[0])
-            pos = chunk[F_RESP].reshape(-1).index_select(0, cell)
-            dst = self.row_of_slot[slots] * self.max_steps + pos  # flat store cells: one index_copy_ per dtype
-            for dt, v in packed.items():
-                store = self.store.tensors[dt]
-                store.view(-1, store.shape[-1]).index_copy_(0, dst, v)
-            done = chunk[F_DONE].reshape(-1).index_select(0, cell)
+        active = chunk[F_ACTIVE]  # (B, k)
+        B, k = active.shape
+        done = chunk[F_DONE].reshape(B, k) & active
+        slots, cols = active.nonzero(as_tuple=True)
+        cell = slots * k + cols
+        packed = self._packer.pack(Step({name: v.reshape(B * k, *v.shape[2:]).index_select(0, cell)
+                                         for name, v in chunk.items()}))  # fmt: skip
+        if self.store is None:
+            self._alloc(packed, B)
+        n_ended = int(done.sum())
+        new_rows = self._take_rows(n_ended) if n_ended else torch.zeros(0, dtype=torch.int64)
+        cell_rows, e_slots, e_steps, e_rows, self.row_of_slot = segment_rows(done, self.row_of_slot, new_rows)
+        pos = chunk[F_RESP].reshape(-1).index_select(0, cell).clamp(max=self.max_steps - 1)
+        dst = cell_rows.reshape(-1).index_select(0, cell) * self.max_steps + pos  # flat store cells
+        for dt, v in packed.items():
+            store = self.store.tensors[dt]
+            store.view(-1, store.shape[-1]).index_copy_(0, dst, v)
+        if n_ended:
+            lengths = chunk[F_RESP][e_slots, e_steps].clamp(max=self.max_steps - 1) + 1
+            self._queue_rows(e_rows, lengths)
+
+    def _write_steps(self, chunk: dict, rows: torch.Tensor) -> None:
+        """Write the live steps of a wave's ``rows`` into the slots' store rows at their response positions
+        (turns continuing across waves); queue rows that end."""
+        if self._packer is None:
+            self._packer = Packer(chunk)
+        # the rows' live cells, packed from the chunk as it is (no gather of the rows first)
+        sel = chunk[F_ACTIVE].clone()
+        keep = torch.zeros(sel.shape[0], dtype=torch.bool)
+        keep[rows] = True
+        sel &= keep[:, None]
+        slots, cols = sel.nonzero(as_tuple=True)
+        # gather the live cells per key (one flat index, index_select: cheaper than (row, col) indexing), then
+        # pack those: the interleaving copy runs over them only
+        cell = slots * sel.shape[1] + cols
+        packed = self._packer.pack(Step({name: v.reshape(-1, *v.shape[2:]).index_select(0, cell)
+                                         for name, v in chunk.items()}))  # fmt: skip
+        if self.store is None:
+            self._alloc(packed, sel.shape[0])
+        pos = chunk[F_RESP].reshape(-1).index_select(0, cell)
+        dst = self.row_of_slot[slots] * self.max_steps + pos  # flat store cells: one index_copy_ per dtype
+        for dt, v in packed.items():
+            store = self.store.tensors[dt]
+            store.view(-1, store.shape[-1]).index_copy_(0, dst, v)
+        done = chunk[F_DONE].reshape(-1).index_select(0, cell)
         if bool(done.any()):
             self._queue_finished(slots[done], pos[done] + 1)
 
@@ -182,6 +215,10 @@ class TrajectoryRecorder:
         """Queue the store rows of the slots ``ended`` (trajectories of ``lengths`` steps); the slots take free rows."""
         finished = self.row_of_slot[ended]
         self.row_of_slot[ended] = self._take_rows(len(ended))  # the slots move on; the rows stay queued
+        self._queue_rows(finished, lengths)
+
+    def _queue_rows(self, finished: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Queue finished trajectories by their store rows (ids read from each row's first step)."""
         if self._id_columns is None:
             self._id_columns = tuple(self._packer.column(f) for f in (F_GROUP, F_TRAJ, F_SAMPLE))
         groups, trajs, samples = (self.store.tensors[dt][finished, 0, col] for dt, col in self._id_columns)
@@ -245,6 +282,7 @@ class TrajectoryRecorder:
 
     def drop_groups(self, groups) -> int:
         """Drop the waiting trajectories of ``groups`` (groups that can no longer complete); returns how many."""
+        self.flush()
         n = 0
         for g in groups:
             for key in [k for k in self.held if k[0] == int(g)]:
@@ -265,12 +303,14 @@ class TrajectoryRecorder:
     @property
     def num_waiting(self) -> int:
         """Finished trajectories waiting for the rest of their group."""
+        self.flush()
         return sum(len(m) for m in self.waiting.values())
 
     def peek(self, *, partial: bool = False) -> TensorDict | None:
         """Right-padded (N, T) tensors of the first ``batch_size`` ready trajectories (in the order they became
         ready), with mask and versions, zeros past each trajectory's end; they stay queued until :meth:`commit`.
         ``partial``: the ready ones when fewer (a last batch; unfinished groups keep waiting). ``None``: none."""
+        self.flush()
         n = self.batch_size if self.is_full else len(self.ready) if partial else 0
         if n == 0:
             return None
@@ -307,6 +347,7 @@ class TrajectoryRecorder:
         """With dynamic sampling, raise :class:`~tokengym.errors.DynamicSamplingError` once the draw bound is
         reached before the batch is full (call it between source advances)."""
         if self.sampling is not None:
+            self.flush()
             self.sampling.check_bound(len(self.ready) // self.group_size)
 
     def _assemble(self, take: list[tuple], width: int, mask: torch.Tensor) -> dict:
@@ -353,6 +394,7 @@ class TrajectoryRecorder:
     @property
     def num_held(self) -> int:
         """Finished parts of episodes still going on."""
+        self.flush()
         return sum(len(p) for p in self.held.values())
 
     def queued_trajectories(self) -> list[int]:
@@ -363,6 +405,7 @@ class TrajectoryRecorder:
         return [e[3] for e in self._entries()]
 
     def _entries(self) -> list[tuple]:
+        self.flush()
         return (self.ready + [e for members in self.waiting.values() for e in members]
                 + [e for parts in self.held.values() for e in parts])  # fmt: skip
 
@@ -387,6 +430,7 @@ class TrajectoryRecorder:
 
     def load_state_dict(self, state: dict) -> None:
         self.store, self.row_of_slot, self.free, self._packer, self._id_columns = None, None, [], None, None
+        self.deferred.clear()
         self._score_column = None
         self._peeked = 0
         if state["live"] is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tokengym.llm_envs.errors import RewardFunctionError
@@ -18,7 +20,9 @@ def context_limit(tokenizer, model_config) -> int:
 
 def first_non_finite(values: torch.Tensor) -> int | None:
     """Index of the first NaN or infinity of a 1-D tensor, or ``None`` when every value is finite."""
-    finite = torch.isfinite(values)
+    if math.isfinite(float(values.sum())):  # one op: a NaN or an infinity makes the sum non-finite
+        return None
+    finite = torch.isfinite(values)  # or finite values whose sum overflows
     return None if bool(finite.all()) else int((~finite).nonzero()[0])
 
 

@@ -40,13 +40,15 @@ class TurnEnds:
         tokens. A turn cut by ``max_turn_tokens`` is answered as any finished turn; an episode ending with it is
         truncated. Raises RewardFunctionError (nothing written then)."""
         reward = torch.zeros(len(self.slots.prompts), 1)
-        terminated, truncated = ended, (limited | cut) & ~ended
-        finished = (ended | limited | cut).nonzero().squeeze(-1).tolist()
+        stopped = limited if cut is None else limited | cut  # a limit ended the turn
+        terminated, truncated = ended, stopped & ~ended
+        index = (ended | stopped).nonzero().squeeze(-1)
+        finished = index.tolist()
         if not finished:
             return TurnEnd(terminated=terminated, truncated=truncated, reward=reward)
         turns = self.finished_turns(finished, limited, new_len, ended)
         rewards, results = check_turns(handler.end_turns(turns), turns, who=handler.name)
-        reward[finished, 0] = rewards
+        reward.view(-1).index_copy_(0, index, rewards)
         if self.renderer is None:
             return TurnEnd(terminated=terminated, truncated=truncated, reward=reward)
         if results is None:  # rewards alone: every episode ends

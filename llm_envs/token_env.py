@@ -167,6 +167,9 @@ class TokenEnv(EnvBase):
         if self.turns.wants_log_probs:
             self._slots.keep_log_probs()
         self._eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)
+        # per vocabulary id: a mark beyond any length at end ids, 0 elsewhere (a step finds ended turns with a gather)
+        self._end_table = torch.zeros(self.vocab_size, dtype=torch.int64)
+        self._end_table[self._eos] = 1 << 40
         self._reset_td = None
         self._decoder: ResponseDecoder | None = None
 
@@ -398,13 +401,17 @@ class TokenEnv(EnvBase):
         return action
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        action, active, previous, new_len, resp_len, ended, hit = self._advance(tensordict)
-        B = self.batch_size[0]
-        if not bool((ended | hit).any()):  # the common step: no turn ends, nothing to score
+        action, active, new_len, resp_len, previous = self._advance(tensordict)
+        B, rt = self.batch_size[0], self._slots
+        if previous is None:  # the common step: no turn ends, nothing to score
             flags = torch.zeros(3, B, 1, dtype=torch.bool).unbind(0)
-            self._slots.commit(action, active, new_len, resp_len, flags[0].view(B), any_done=False)
-            self._slots.flags = flags
-            return self._slots.observation(*flags, torch.zeros(B, 1))
+            rt.commit(action, active, new_len, resp_len, flags[0].view(B), any_done=False)
+            rt.flags = flags
+            return rt.observation(*flags, torch.zeros(B, 1))
+        ended = active & is_any(action, self._eos)
+        if self._stop.is_enabled:
+            ended |= self._stop.hits(rt.tokens, action, active & ~ended, rt.state[keys.PROMPT_LEN], new_len)
+        hit = active & (new_len >= rt.deadline)  # a budget, the context or the turn limit reached
         limited, cut = self._split_limits(hit, ended, new_len)
         try:
             end = self._turn_ends.answer(self.turns, ended, limited, new_len, cut)
@@ -412,47 +419,53 @@ class TokenEnv(EnvBase):
             self._rollback(previous)
             raise
         done = end.terminated | end.truncated
-        self._slots.commit(action, active, new_len, resp_len, done, any_done=bool(done.any()))
+        rt.commit(action, active, new_len, resp_len, done, any_done=bool(done.any()))
         self._turn_ends.continue_turns(end.appended, new_len)
-        self._slots.flags = (done.unsqueeze(-1), end.terminated.unsqueeze(-1), end.truncated.unsqueeze(-1))
-        return self._slots.observation(*self._slots.flags, end.reward)
+        rt.flags = (done.unsqueeze(-1), end.terminated.unsqueeze(-1), end.truncated.unsqueeze(-1))
+        return rt.observation(*rt.flags, end.reward)
 
     def _advance(self, tensordict: TensorDictBase):
-        """Validate the action, write it into the token buffer and find the slots whose turn ended.
+        """Validate the action, write it into the token buffer and tell whether a turn may have ended.
 
-        Returns ``(action, active, previous, new_len, resp_len, ended, hit)``: ``ended`` marks an EOS / stop
-        string, ``hit`` a limit reached (:meth:`_split_limits` tells which).
+        Returns ``(action, active, new_len, resp_len, previous)``: ``previous`` holds the overwritten buffer
+        cells (for a rollback) when a slot's turn may have ended (an end id, a stop string or a limit), and is
+        ``None`` on the usual step, where nothing ended (then no end flags are computed at all).
         """
-        if not self._slots.is_reset:
+        rt = self._slots
+        if not rt.is_reset:
             raise ResetNeeded("TokenEnv was stepped before reset(); call env.reset() first")
-        action = self._check_action(tensordict.get(keys.ACTION))
-        s, rt = self._slots.state, self._slots
+        action = tensordict.get(keys.ACTION)
+        if not isinstance(action, torch.Tensor) or action.dtype != torch.int64 or action.shape != self.batch_size:
+            self._check_action(action)
+        s = rt.state
         active = s[keys.ACTIVE]
         self._check_not_done(active)
         if rt.deadline is None:
             rt.set_deadlines(self.max_new_tokens, self.max_length, self.max_turn_tokens)
         seq_len = s[keys.SEQ_LEN]
-        pos = self._slots.row_start + seq_len
-        previous = self._slots.flat.index_select(0, pos)  # kept for a rollback
-        self._slots.flat.index_copy_(0, pos, action if rt.all_active else torch.where(active, action, previous))
-        if rt.log_probs is not None and (log_prob := tensordict.get(keys.ACTION_LOG_PROB, None)) is not None:
-            rt.write_log_probs(pos, log_prob)
+        try:  # one gather gives each action's end mark and checks it lies in the vocabulary
+            marks = self._end_table.index_select(0, action)
+        except IndexError:
+            self._check_action(action)
+            raise
         if rt.all_active:
             new_len, resp_len = seq_len + 1, s[keys.RESPONSE_LEN] + 1
-            ended = is_any(action, self._eos)
         else:
             new_len, resp_len = seq_len + active, s[keys.RESPONSE_LEN] + active
-            ended = active & is_any(action, self._eos)
-        if self._stop.is_enabled:
-            ended |= self._stop.hits(self._slots.tokens, action, active & ~ended, s[keys.PROMPT_LEN], new_len)
-        hit = active & (new_len >= rt.deadline)  # a budget, the context or the turn limit reached
-        return action, active, previous, new_len, resp_len, ended, hit
+        # a turn may end where the action is an end id (its mark reaches any deadline) or a limit is reached
+        may_end = self._stop.is_enabled or bool(((marks + new_len) >= rt.deadline).any())
+        pos = rt.row_start + seq_len
+        previous = rt.flat.index_select(0, pos) if may_end or not rt.all_active else None
+        rt.flat.index_copy_(0, pos, action if rt.all_active else torch.where(active, action, previous))
+        if rt.log_probs is not None and (log_prob := tensordict.get(keys.ACTION_LOG_PROB, None)) is not None:
+            rt.write_log_probs(pos, log_prob)
+        return action, active, new_len, resp_len, previous if may_end else None
 
     def _split_limits(self, hit: torch.Tensor, ended: torch.Tensor, new_len: torch.Tensor):
         """``(limited, cut)`` of the slots that reached a limit: the trajectory's budget or the context
         (a truncation unless ``ended``), or only the turn's ``max_turn_tokens`` (where nothing else ended it)."""
         if self.max_turn_tokens is None:
-            return hit, torch.zeros_like(hit)
+            return hit, None
         limited = hit & (new_len >= self._slots.budget_deadline)
         return limited, hit & ~limited & ~ended
 

@@ -102,7 +102,11 @@ class StepPolicy(TokenPolicy, Protocol):
 
     def __call__(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Write ``keys.ACTION``, ``keys.ACTION_LOG_PROB`` and ``keys.POLICY_VERSION`` (optionally
-        ``keys.RAW_LOG_PROB``) for every slot of the step TensorDict, and return it."""
+        ``keys.RAW_LOG_PROB``) for every slot of the step TensorDict, and return it.
+
+        The collector keeps the tensors written as they are until the batch is built (one stack per key, not a
+        copy per step): write new tensors each step (or tensors never written in place again, as a shared
+        version tensor), not a buffer refilled in place."""
 
 
 @runtime_checkable

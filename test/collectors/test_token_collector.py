@@ -150,7 +150,7 @@ def test_long_run_memory_is_bounded(make_env, make_policy):
     collector = TokenCollector(env, make_policy(env), mode="trajectories", batch_size=2)
     sizes = []
     for i, _ in enumerate(collector):
-        sizes.append((len(collector.prompts), collector.policy.cache.nbytes(), len(collector.recorder.ready) + collector.recorder.num_waiting))
+        sizes.append((len(collector.prompts), collector.policy.cache.nbytes(), len(collector.recorder.queued_trajectories())))
         if i == 300:
             break
     assert max(s[0] for s in sizes[50:]) <= max(s[0] for s in sizes[:50]) + 2
