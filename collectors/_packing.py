@@ -25,7 +25,10 @@ def to_tensordict(flat: dict, batch_size) -> TensorDict:
 
 class Step(dict):
     """One env step of every slot: flat names to (B, ...) tensors (a chunk of width 1 without the
-    (B, 1, ...) views, so a step source hands its tensors over as they are)."""
+    (B, 1, ...) views, so a step source hands its tensors over as they are). ``ended``: the slots whose
+    trajectory ended in the step, when the source knows them (``None``: read from the done flags)."""
+
+    ended: list[int] | None = None
 
 
 def chunk_width(chunk: dict) -> int:

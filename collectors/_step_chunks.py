@@ -37,8 +37,10 @@ class DeferredSteps:
         """Keep ``step``; True when the kept steps must be written now: too many, or a trajectory that finished in
         them may complete a batch (``could_fill(finished)`` with the group counts)."""
         self.steps.append(step)
-        ended = (step[F_DONE].reshape(-1) & step[F_ACTIVE]).nonzero().squeeze(-1)  # one sync: no any() first
-        if len(ended):
+        ended = step.ended
+        if ended is None:
+            ended = (step[F_DONE].reshape(-1) & step[F_ACTIVE]).nonzero().squeeze(-1).tolist()
+        if ended:
             counts = self.finished
             for g in step[F_GROUP][ended].tolist():
                 counts[g] = counts.get(g, 0) + 1

@@ -104,9 +104,12 @@ class StepSource:
             out, self.obs, self.to_refill, error = err.step, err.observation, list(err.slots), err
         nxt = out.get(_NEXT)
         done = nxt.get(keys.DONE[1]).reshape(-1)
-        if bool(done.any()):
-            refilled += [b for b in done.nonzero().squeeze(-1).tolist() if b not in self.to_refill]
-        return self._keys.chunk(td, nxt, 1), refilled, error
+        ended = done.nonzero().squeeze(-1).tolist() if bool(done.any()) else []
+        if ended:
+            refilled += [b for b in ended if b not in self.to_refill]
+        step = self._keys.chunk(td, nxt, 1)
+        step.ended = ended  # the recorder needs no second look at the done flags
+        return step, refilled, error
 
     def restart(self, slots: list[int]) -> None:
         """Start ``slots`` over from their prompts (in-flight work dropped)."""
