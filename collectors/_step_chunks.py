@@ -30,9 +30,6 @@ class DeferredSteps:
         self.steps: list[Step] = []
         self.finished: dict[int, int] = {}  # group id -> trajectories of it finished in the kept steps
 
-    def __len__(self) -> int:
-        return len(self.steps)
-
     def add(self, step: Step, could_fill) -> bool:
         """Keep ``step``; True when the kept steps must be written now: too many, or a trajectory that finished in
         them may complete a batch (``could_fill(finished)`` with the group counts)."""

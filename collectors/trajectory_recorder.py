@@ -18,35 +18,14 @@ from tokengym.collectors._packing import (
     flat_name,
     to_tensordict,
 )
+from tokengym.collectors._segments import Segment, assemble, give_parts_their_reward
 from tokengym.collectors._step_chunks import DeferredSteps, segment_rows
 from tokengym.collectors.dynamic_sampling import DynamicSampling, SpreadFilter
 from tokengym.llm_envs import keys
 
 __all__ = ["TrajectoryRecorder"]
 
-F_SAMPLE, F_REWARD = keys.SAMPLE_ID, flat_name(keys.REWARD)
-
-
-def _give_parts_their_reward(out: dict, take: list[tuple], lengths: torch.Tensor) -> None:
-    """Each part's last step gets its episode's reward: the summed reward of the episode's last trajectory in ``take``
-    (parts precede it). The reward a part had at its end (the handler's, at the split) is replaced."""
-    reward = out[F_REWARD]  # (N, T, 1)
-    totals = reward.reshape(reward.shape[0], -1).sum(1)
-    final_of = {(e[3], e[6]): i for i, e in enumerate(take) if not e[7]}
-    rows = [i for i, e in enumerate(take) if e[7] and (e[3], e[6]) in final_of]
-    if rows:
-        index = torch.tensor(rows)
-        reward[index, lengths[index] - 1] = totals[[final_of[(take[i][3], take[i][6])] for i in rows]].reshape(-1, 1)
-
-
-class _Segment:
-    """Where finished trajectories' steps are: a wave's own (B, Tn, ...) tensors by flat name (``is_packed``
-    False; zero past each row's end), or the recorder's packed row store (dtype -> (R, T_max, n))."""
-
-    __slots__ = ("tensors", "is_packed")
-
-    def __init__(self, tensors: dict, *, is_packed: bool = False) -> None:
-        self.tensors, self.is_packed = tensors, is_packed
+F_SAMPLE = keys.SAMPLE_ID
 
 
 class TrajectoryRecorder:
@@ -87,7 +66,7 @@ class TrajectoryRecorder:
         self._score_column: tuple | None = None  # where it is in the packed store: (dtype, column)
         self.batch_size, self.max_steps, self.is_fixed_width = batch_size, max_steps, is_fixed_width
         self.group_size = group_size
-        self.store: _Segment | None = None  # packed rows of trajectories written step by step
+        self.store: Segment | None = None  # packed rows of trajectories written step by step
         self.row_of_slot: torch.Tensor | None = None  # (B,) the store row each slot writes into
         self.free: list[int] = []
         self._packer: Packer | None = None
@@ -122,12 +101,12 @@ class TrajectoryRecorder:
         if bool(whole.any()):
             rows = whole.nonzero().squeeze(-1)
             lengths = chunk[F_RESP][rows].gather(1, done[rows].int().argmax(1, keepdim=True)).squeeze(1) + 1
-            self._finish(_Segment(chunk), rows, lengths, chunk[F_GROUP][rows, 0], chunk[F_TRAJ][rows, 0],
+            self._finish(Segment(chunk), rows, lengths, chunk[F_GROUP][rows, 0], chunk[F_TRAJ][rows, 0],
                          chunk[F_SAMPLE][rows, 0])  # fmt: skip
         return None
 
     def _alloc(self, packed: dict, B: int) -> None:
-        self.store = _Segment({dt: v.new_zeros(B, self.max_steps, v.shape[-1]) for dt, v in packed.items()}, is_packed=True)
+        self.store = Segment({dt: v.new_zeros(B, self.max_steps, v.shape[-1]) for dt, v in packed.items()}, is_packed=True)
         self.row_of_slot, self.free = torch.arange(B), []
 
     def _take_rows(self, n: int) -> torch.Tensor:
@@ -161,25 +140,14 @@ class TrajectoryRecorder:
     def _write_step_chunk(self, chunk: dict) -> None:
         """Write consecutive steps (B, k, ...) of the step source: a slot may end a trajectory and start the next
         within them (the next goes to a free row); finished ones are queued in the order stepping finished them."""
-        if self._packer is None:
-            self._packer = Packer(chunk)
         active = chunk[F_ACTIVE]  # (B, k)
-        B, k = active.shape
-        done = chunk[F_DONE].reshape(B, k) & active
-        slots, cols = active.nonzero(as_tuple=True)
-        cell = slots * k + cols
-        packed = self._packer.pack(Step({name: v.reshape(B * k, *v.shape[2:]).index_select(0, cell)
-                                         for name, v in chunk.items()}))  # fmt: skip
-        if self.store is None:
-            self._alloc(packed, B)
+        done = chunk[F_DONE].reshape(active.shape) & active
+        cell, packed = self._pack_cells(chunk, active)
         n_ended = int(done.sum())
         new_rows = self._take_rows(n_ended) if n_ended else torch.zeros(0, dtype=torch.int64)
         cell_rows, e_slots, e_steps, e_rows, self.row_of_slot = segment_rows(done, self.row_of_slot, new_rows)
         pos = chunk[F_RESP].reshape(-1).index_select(0, cell).clamp(max=self.max_steps - 1)
-        dst = cell_rows.reshape(-1).index_select(0, cell) * self.max_steps + pos  # flat store cells
-        for dt, v in packed.items():
-            store = self.store.tensors[dt]
-            store.view(-1, store.shape[-1]).index_copy_(0, dst, v)
+        self._store_cells(packed, cell_rows.reshape(-1).index_select(0, cell), pos)
         if n_ended:
             lengths = chunk[F_RESP][e_slots, e_steps].clamp(max=self.max_steps - 1) + 1
             self._queue_rows(e_rows, lengths)
@@ -187,29 +155,38 @@ class TrajectoryRecorder:
     def _write_steps(self, chunk: dict, rows: torch.Tensor) -> None:
         """Write the live steps of a wave's ``rows`` into the slots' store rows at their response positions
         (turns continuing across waves); queue rows that end."""
-        if self._packer is None:
-            self._packer = Packer(chunk)
-        # the rows' live cells, packed from the chunk as it is (no gather of the rows first)
         sel = chunk[F_ACTIVE].clone()
         keep = torch.zeros(sel.shape[0], dtype=torch.bool)
         keep[rows] = True
         sel &= keep[:, None]
+        cell, packed = self._pack_cells(chunk, sel)
+        slots = cell // sel.shape[1]
+        pos = chunk[F_RESP].reshape(-1).index_select(0, cell)
+        self._store_cells(packed, self.row_of_slot[slots], pos)
+        done = chunk[F_DONE].reshape(-1).index_select(0, cell)
+        if bool(done.any()):
+            self._queue_finished(slots[done], pos[done] + 1)
+
+    def _pack_cells(self, chunk: dict, sel: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The cells ``sel`` (B, k) of ``chunk`` as flat indices (slot * k + step) and packed (one tensor per dtype):
+        gathered per key with one flat index, then packed, so the interleaving copy runs over them only. The store
+        exists afterwards."""
+        if self._packer is None:
+            self._packer = Packer(chunk)
         slots, cols = sel.nonzero(as_tuple=True)
-        # gather the live cells per key (one flat index, index_select: cheaper than (row, col) indexing), then
-        # pack those: the interleaving copy runs over them only
         cell = slots * sel.shape[1] + cols
         packed = self._packer.pack(Step({name: v.reshape(-1, *v.shape[2:]).index_select(0, cell)
                                          for name, v in chunk.items()}))  # fmt: skip
         if self.store is None:
             self._alloc(packed, sel.shape[0])
-        pos = chunk[F_RESP].reshape(-1).index_select(0, cell)
-        dst = self.row_of_slot[slots] * self.max_steps + pos  # flat store cells: one index_copy_ per dtype
+        return cell, packed
+
+    def _store_cells(self, packed: dict, rows: torch.Tensor, pos: torch.Tensor) -> None:
+        """Write packed cells at (store row, position): one ``index_copy_`` per dtype on the flat rows."""
+        dst = rows * self.max_steps + pos
         for dt, v in packed.items():
             store = self.store.tensors[dt]
             store.view(-1, store.shape[-1]).index_copy_(0, dst, v)
-        done = chunk[F_DONE].reshape(-1).index_select(0, cell)
-        if bool(done.any()):
-            self._queue_finished(slots[done], pos[done] + 1)
 
     def _queue_finished(self, ended: torch.Tensor, lengths: torch.Tensor) -> None:
         """Queue the store rows of the slots ``ended`` (trajectories of ``lengths`` steps); the slots take free rows."""
@@ -229,7 +206,7 @@ class TrajectoryRecorder:
         until the episode's last trajectory is released, which carries them into its batch."""
         self.parts.update(int(t) for t in trajs)
 
-    def _finish(self, seg: _Segment, rows, lengths, groups, trajs, samples) -> None:
+    def _finish(self, seg: Segment, rows, lengths, groups, trajs, samples) -> None:
         scores = [None] * len(rows) if self.sampling is None else self._scores(seg, rows, lengths)
         entries = zip([seg] * len(rows), rows.tolist(), lengths.tolist(), groups.tolist(), trajs.tolist(), scores,
                       samples.tolist(), [False] * len(rows), strict=True)  # fmt: skip
@@ -265,7 +242,7 @@ class TrajectoryRecorder:
             out.append(e)
         return out
 
-    def _scores(self, seg: _Segment, rows: torch.Tensor, lengths: torch.Tensor) -> list[float]:
+    def _scores(self, seg: Segment, rows: torch.Tensor, lengths: torch.Tensor) -> list[float]:
         """The finished trajectories' rewards summed over their steps (a view of the rewards, no copy first)."""
         if self._score_name is None:
             names = set(seg.tensors) if not seg.is_packed else {n for ns in self._packer.groups.values() for n, _ in ns}
@@ -324,10 +301,10 @@ class TrajectoryRecorder:
         lengths = torch.tensor([e[2] for e in take])
         width = self.max_steps if self.is_fixed_width else int(lengths.max())
         mask = torch.arange(width)[None, :] < lengths[:, None]
-        out = self._assemble(take, width, mask)
+        out = assemble(take, width, mask, self._packer)
         out[F_MASK] = mask
         if any(e[7] for e in take):
-            _give_parts_their_reward(out, take, lengths)
+            give_parts_their_reward(out, take, lengths)
         version, last = out[F_VERSION], (lengths - 1)[:, None]
         out[flat_name(keys.VERSION_START)] = version[:, :1].expand_as(version).clone()
         out[flat_name(keys.VERSION_END)] = version.gather(1, last).expand_as(version).clone()
@@ -349,47 +326,6 @@ class TrajectoryRecorder:
         if self.sampling is not None:
             self.flush()
             self.sampling.check_bound(len(self.ready) // self.group_size)
-
-    def _assemble(self, take: list[tuple], width: int, mask: torch.Tensor) -> dict:
-        """Per flat name, the rows of ``take`` in order, cut or zero-padded to ``width``: the wave's tensors as
-        they are when ``take`` is one wave's rows in order, else one gather per segment (per dtype for the store)."""
-        parts: dict[int, tuple[_Segment, list[int], list[int]]] = {}
-        for i, e in enumerate(take):
-            part = parts.setdefault(id(e[0]), (e[0], [], []))
-            part[1].append(i)
-            part[2].append(e[1])
-        pieces = []
-        for seg, where, rows in parts.values():
-            index = torch.tensor(rows, dtype=torch.int64)
-            if seg.is_packed:
-                packed = {dt: v[:, :width].index_select(0, index) for dt, v in seg.tensors.items()}
-                m = mask[where] if len(parts) > 1 else mask
-                for v in packed.values():
-                    v.masked_fill_(~m[:, : v.shape[1], None], 0)  # store rows hold older steps past the end
-                flat = self._packer.unpack(packed, clone=len(parts) == 1)  # several pieces: copied into place below
-            elif rows == list(range(len(rows))) and len(rows) == next(iter(seg.tensors.values())).shape[0]:
-                flat = {name: v[:, :width] for name, v in seg.tensors.items()}  # the wave, as it is
-            else:
-                flat = {name: v[:, :width].index_select(0, index) for name, v in seg.tensors.items()}
-            pieces.append((where, flat))
-        out = {}
-        rows_of = [torch.tensor(where, dtype=torch.int64) for where, _ in pieces]  # once, not per key
-        for name, first in pieces[0][1].items():
-            if len(pieces) == 1 and first.shape[1] == width:
-                out[name] = first
-                continue
-            is_covered = all(flat[name].shape[1] == width for _, flat in pieces)  # every cell is written below
-            v = (first.new_empty if is_covered else first.new_zeros)(len(take), width, *first.shape[2:])
-            for rows, (_, flat) in zip(rows_of, pieces, strict=True):
-                src = flat[name]
-                if len(pieces) == 1:
-                    v[:, : src.shape[1]] = src
-                elif src.shape[1] == width:
-                    v.index_copy_(0, rows, src)  # whole rows: cheaper than (rows, columns) indexing
-                else:
-                    v[rows, : src.shape[1]] = src
-            out[name] = v
-        return out
 
     @property
     def num_held(self) -> int:
@@ -419,7 +355,7 @@ class TrajectoryRecorder:
         else:
             width = max(self.max_steps, max(e[2] for e in entries))
             mask = torch.arange(width)[None, :] < torch.tensor([e[2] for e in entries])[:, None]
-            queued = {name: v.clone() for name, v in self._assemble(entries, width, mask).items()}
+            queued = {name: v.clone() for name, v in assemble(entries, width, mask, self._packer).items()}
         live = None
         if self.store is not None:
             live = self._packer.unpack({dt: v[self.row_of_slot] for dt, v in self.store.tensors.items()})
@@ -436,9 +372,9 @@ class TrajectoryRecorder:
         if state["live"] is not None:
             self._packer = Packer(state["live"])  # (B, T_max, ...) per key
             packed = self._packer.pack(state["live"])
-            self.store = _Segment(packed, is_packed=True)
+            self.store = Segment(packed, is_packed=True)
             self.row_of_slot = torch.arange(packed[next(iter(packed))].shape[0])
-        seg = None if state["queued"] is None else _Segment(state["queued"])
+        seg = None if state["queued"] is None else Segment(state["queued"])
         # (length, group, traj, score, sample, is_part): older checkpoints lack the last (three)
         entries = [(seg, i, *e, *(None, -1, False)[len(e) - 3 :]) for i, e in enumerate(state["entries"])]
         n_ready = state["num_ready"]

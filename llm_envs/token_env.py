@@ -21,7 +21,7 @@ from tokengym.llm_envs.prompts import Prompt, PromptSource
 from tokengym.llm_envs.turns.protocol import TurnHandler
 from tokengym.llm_envs.turns.render import ChatRenderer
 from tokengym.llm_envs.turns.scoring import RewardTurns
-from tokengym.llm_envs.unroll import WaveSteps, is_any, unroll_wave
+from tokengym.llm_envs.unroll import WaveSteps, unroll_wave
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["TokenEnv", "RewardFn"]
@@ -401,14 +401,14 @@ class TokenEnv(EnvBase):
         return action
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        action, active, new_len, resp_len, previous = self._advance(tensordict)
+        action, active, new_len, resp_len, previous, marks = self._advance(tensordict)
         B, rt = self.batch_size[0], self._slots
         if previous is None:  # the common step: no turn ends, nothing to score
             flags = torch.zeros(3, B, 1, dtype=torch.bool).unbind(0)
             rt.commit(action, active, new_len, resp_len, flags[0].view(B), any_done=False)
             rt.flags = flags
             return rt.observation(*flags, torch.zeros(B, 1))
-        ended = active & is_any(action, self._eos)
+        ended = active & marks.bool()  # an end id
         if self._stop.is_enabled:
             ended |= self._stop.hits(rt.tokens, action, active & ~ended, rt.state[keys.PROMPT_LEN], new_len)
         hit = active & (new_len >= rt.deadline)  # a budget, the context or the turn limit reached
@@ -427,9 +427,10 @@ class TokenEnv(EnvBase):
     def _advance(self, tensordict: TensorDictBase):
         """Validate the action, write it into the token buffer and tell whether a turn may have ended.
 
-        Returns ``(action, active, new_len, resp_len, previous)``: ``previous`` holds the overwritten buffer
-        cells (for a rollback) when a slot's turn may have ended (an end id, a stop string or a limit), and is
-        ``None`` on the usual step, where nothing ended (then no end flags are computed at all).
+        Returns ``(action, active, new_len, resp_len, previous, marks)``: ``previous`` holds the overwritten
+        buffer cells (for a rollback) when a slot's turn may have ended (an end id, a stop string or a limit), and
+        is ``None`` on the usual step, where nothing ended (then no end flags are computed at all); ``marks`` is
+        non-zero where the action is an end id.
         """
         rt = self._slots
         if not rt.is_reset:
@@ -459,7 +460,7 @@ class TokenEnv(EnvBase):
         rt.flat.index_copy_(0, pos, action if rt.all_active else torch.where(active, action, previous))
         if rt.log_probs is not None and (log_prob := tensordict.get(keys.ACTION_LOG_PROB, None)) is not None:
             rt.write_log_probs(pos, log_prob)
-        return action, active, new_len, resp_len, previous if may_end else None
+        return action, active, new_len, resp_len, previous if may_end else None, marks
 
     def _split_limits(self, hit: torch.Tensor, ended: torch.Tensor, new_len: torch.Tensor):
         """``(limited, cut)`` of the slots that reached a limit: the trajectory's budget or the context
