@@ -24,6 +24,7 @@ answers has its development endpoints open to anyone who can reach it, and :func
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from pathlib import Path
@@ -45,27 +46,40 @@ _VOCAB = re.compile(r"Vocabulary size: (\d+)")
 async def inspect_server(fleet: ServerFleet, server: Server, ids: list[int]) -> dict:
     """What ``server`` says about itself (see the module docstring), ``ids`` being the env tokenizer's
     ``probe_ids``; raises ``ValueError`` when it cannot be reached, is not a vLLM server, serves no model, serves
-    one whose head size its CPU attention cannot run, or its engine died."""
+    one whose head size its CPU attention cannot run, or its engine died. Every call is free of side effects and
+    is sent once more when its connection fails."""
     try:
-        return await _inspect(fleet, server, ids)
+        return await _inspect(_Checker(fleet, server), ids)
     except httpx.HTTPStatusError as err:  # a 5xx answer: the message says what (an engine that died, its log)
         raise ValueError(f"vLLM server {server.url} failed while tokengym checked it: {err}") from err
+    except (httpx.TransportError, OSError) as err:
+        raise ValueError(f"vLLM server {server.url} cannot be reached ({type(err).__name__}: {err}); start it "
+                         "(tokengym.collectors.policies.LocalVLLMServer, or python -m vllm.entrypoints.openai.api_server "
+                         "--model DIR ...) or fix the URL") from err  # fmt: skip
 
 
-async def _inspect(fleet: ServerFleet, server: Server, ids: list[int]) -> dict:
+@dataclasses.dataclass
+class _Checker:
+    """The inspection's calls to one server, each sent again once when its connection fails."""
+
+    fleet: ServerFleet
+    server: Server
+
+    async def __call__(self, method: str, path: str, payload=None):
+        return await self.fleet.call(self.server, method, path, payload, retry=True)
+
+
+async def _inspect(call: _Checker, ids: list[int]) -> dict:
+    fleet, server = call.fleet, call.server
     try:
-        await fleet.call(server, "GET", "/health")
-        models = await fleet.call(server, "GET", "/v1/models")
+        await call("GET", "/health")
+        models = await call("GET", "/v1/models")
     except RequestRejected as err:
         if err.status_code == 401:
             raise
         raise ValueError(_not_vllm(server, err)) from err
     except ValueError as err:  # a 200 answer that is not JSON
         raise ValueError(_not_vllm(server, f"it answered a page that is not JSON ({err})")) from err
-    except (httpx.TransportError, OSError) as err:
-        raise ValueError(f"vLLM server {server.url} cannot be reached ({type(err).__name__}: {err}); start it "
-                         "(tokengym.collectors.policies.LocalVLLMServer, or python -m vllm.entrypoints.openai.api_server "
-                         "--model DIR ...) or fix the URL") from err  # fmt: skip
     if not isinstance(models, dict) or not isinstance(models.get("data"), list):
         raise ValueError(_not_vllm(server, f"GET /v1/models answered {str(models)[:80]!r}, not a list of models"))
     models = [m for m in models["data"] if not m.get("parent")]  # LoRA adapters list the base model as parent
@@ -75,7 +89,7 @@ async def _inspect(fleet: ServerFleet, server: Server, ids: list[int]) -> dict:
     answer = {"url": server.url, "model": models[0]["id"], "root": models[0].get("root"),
               "max_model_len": models[0].get("max_model_len"), "logprobs_mode": None}  # fmt: skip
     try:
-        info = await fleet.call(server, "GET", "/server_info?config_format=json")
+        info = await call("GET", "/server_info?config_format=json")
         answer["logprobs_mode"] = info["vllm_config"]["model_config"]["logprobs_mode"]
         answer["dev_mode"] = bool(info.get("vllm_env", {}).get("VLLM_SERVER_DEV_MODE", False))
         answer["device"] = (info["vllm_config"].get("device_config") or {}).get("device")
@@ -90,10 +104,10 @@ async def _inspect(fleet: ServerFleet, server: Server, ids: list[int]) -> dict:
             answer["is_open"] = await fleet.is_open(server, "/server_info")
         except (httpx.HTTPError, OSError):
             pass  # it answered the same path a moment ago: a probe that fails proves nothing either way
-    answer["vocab_size"] = await _vocab_size(fleet, server)
-    answer["probe_log_prob"] = await _probe_log_prob(fleet, server)
+    answer["vocab_size"] = await _vocab_size(call)
+    answer["probe_log_prob"] = await _probe_log_prob(call)
     try:
-        answer["probe_text"] = (await fleet.call(server, "POST", "/detokenize", {"tokens": ids}))["prompt"]
+        answer["probe_text"] = (await call("POST", "/detokenize", {"tokens": ids}))["prompt"]
     except (httpx.HTTPStatusError, RequestRejected, KeyError):
         answer["probe_text"] = None  # a server without a tokenizer: stop strings are left to the env
     return answer
@@ -115,21 +129,21 @@ def _check_served_head_size(answer: dict, checkpoint_dir: str | None) -> None:
     check_head_size(model_dir_config(local), f"the model vLLM server {answer['url']} serves ({local})", is_cpu=is_cpu)
 
 
-async def _vocab_size(fleet: ServerFleet, server: Server) -> int | None:
+async def _vocab_size(call: _Checker) -> int | None:
     body = {"prompt": [0], "max_tokens": 1, "logit_bias": {str(2**31 - 1): 0.0}}
     try:
-        await fleet.call(server, "POST", "/v1/completions", body)
+        await call("POST", "/v1/completions", body)
     except RequestRejected as err:
         match = _VOCAB.search(str(err))
         return int(match.group(1)) if match else None
     return None
 
 
-async def _probe_log_prob(fleet: ServerFleet, server: Server) -> float:
+async def _probe_log_prob(call: _Checker) -> float:
     """Log-prob of a token sampled from a distribution restricted to it: 0 in processed mode."""
     body = {"prompt": [0], "max_tokens": 1, "logprobs": 0, "allowed_token_ids": [0], "temperature": 1.0, "top_k": 0,
             "top_p": 1.0, "min_p": 0.0, "seed": 0}  # fmt: skip
-    answer = await fleet.call(server, "POST", "/v1/completions", body)
+    answer = await call("POST", "/v1/completions", body)
     return float(answer["choices"][0]["logprobs"]["token_logprobs"][0])
 
 

@@ -42,6 +42,7 @@ from tokengym.collectors.policies.vllm_server import server_log
 __all__ = ["Server", "ServerFleet", "describe_answer"]
 
 _log = logging.getLogger(__name__)
+_RETRY_PAUSE_S = 1.0  # before a control call without side effects is sent again
 _ENGINE_DIED = ("EngineCore", "EngineDead")  # what vLLM's 500 answers say once its engine process failed
 
 
@@ -144,12 +145,23 @@ class ServerFleet:
 
     # -- control calls --
     async def call(
-        self, server: Server, method: str, path: str, payload=None, *, timeout: float | None = None
+        self, server: Server, method: str, path: str, payload=None, *, timeout: float | None = None,
+        retry: bool = False,
     ):
         """One control call; returns the decoded JSON (or ``None``); raises ``httpx`` errors and
-        :class:`RequestRejected` / ``httpx.HTTPStatusError`` for 4xx / 5xx answers."""
+        :class:`RequestRejected` / ``httpx.HTTPStatusError`` for 4xx / 5xx answers. ``retry``: a call without
+        side effects is sent once more, after a pause, when its connection fails (a dropped connection is not yet
+        a server that is down)."""
         timeout = self.options.control_timeout_s if timeout is None else timeout
-        response = await self._client.request(method, server.url + path, json=payload, timeout=timeout)
+        url = server.url + path
+        try:
+            response = await self._client.request(method, url, json=payload, timeout=timeout)
+        except httpx.TransportError as err:
+            if not retry:
+                raise
+            _log.warning("%s %s failed (%s: %s); sending it once more", method, url, type(err).__name__, err)
+            await asyncio.sleep(_RETRY_PAUSE_S)
+            response = await self._client.request(method, url, json=payload, timeout=timeout)
         _raise_for_status(server, response)
         return response.json() if response.content else None
 

@@ -8,10 +8,12 @@ are started as ``LocalVLLMServer`` starts them by default (every path but ``/hea
 so every test here also shows the policy working with the key.
 """
 
+import contextlib
 import dataclasses
 import itertools
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -329,6 +331,73 @@ def test_clear_errors_at_construction(fleet):
     probed = {**answer, "logprobs_mode": None, "probe_log_prob": -2.5}  # no /server_info: the probe decides
     with pytest.raises(ValueError, match=r"logprobs_mode is 'not processed_logprobs \(probed\)'"):
         check_server(probed, fleet.env(), is_unmodified=True)
+
+
+class DroppingRelay:
+    """A TCP relay to ``url`` on a free port that reads the first ``drops`` requests and closes their connections
+    without an answer (a server dropping a connection), then relays every later connection both ways."""
+
+    def __init__(self, url: str, drops: int):
+        self.target = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        self.drops, self.dropped = drops, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.relayed: list[socket.socket] = []
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            if self.dropped < self.drops:
+                self.dropped += 1
+                with conn:
+                    while b"\r\n\r\n" not in conn.recv(65536):
+                        pass
+                continue
+            upstream = socket.create_connection(self.target)
+            self.relayed += [conn, upstream]
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.relayed:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def test_a_dropped_connection_while_checking_a_server_is_sent_again(fleet):
+    """A connection the server drops during the start-up checks is retried once; dropped twice, the error names it."""
+    relay = DroppingRelay(fleet.urls[0], drops=1)
+    try:
+        policy = fleet.policy(fleet.env(), [relay.url])
+        try:
+            assert relay.dropped == 1 and policy.answers[0]["model"] == "tiny-qwen2"
+            batch = next(iter(TokenCollector(fleet.env(), policy, mode="trajectories", batch_size=4, source="wave")))
+            assert int(batch[keys.MASK].sum()) > 0
+        finally:
+            policy.close()
+    finally:
+        relay.close()
+    relay = DroppingRelay(fleet.urls[0], drops=2)
+    try:
+        with pytest.raises(ValueError, match=r"vLLM server http://127.0.0.1:\d+ cannot be reached \(RemoteProtocolError"):
+            fleet.policy(fleet.env(), [relay.url])
+        assert relay.dropped == 2
+    finally:
+        relay.close()
 
 
 def test_a_4xx_answer_raises_at_once_with_the_servers_message(fleet):
