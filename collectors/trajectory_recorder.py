@@ -18,7 +18,7 @@ from tokengym.collectors._packing import (
     flat_name,
     to_tensordict,
 )
-from tokengym.collectors._segments import Segment, assemble, give_parts_their_reward
+from tokengym.collectors._segments import Chain, Segment, assemble, give_parts_their_reward
 from tokengym.collectors._step_chunks import DeferredSteps, segment_rows
 from tokengym.collectors.dynamic_sampling import DynamicSampling, SpreadFilter
 from tokengym.llm_envs import keys
@@ -34,10 +34,11 @@ class TrajectoryRecorder:
     A finished trajectory is a reference ``(segment, row, length, group, traj, score)``, never a copy:
 
     - a wave's rows that hold whole trajectories (single-turn waves) stay in the wave's own tensors;
-    - a trajectory built step by step (the step source, or turns continuing across waves) is written
-      into a row of a packed store (one tensor per dtype), and keeps that row once it ends: its slot
-      moves on to a free row. The store grows when every row is taken (bounded: live slots plus
-      waiting trajectories).
+    - a trajectory whose turns go on across waves is a :class:`~tokengym.collectors._segments.Chain` of references
+      to its rows in those waves (copied once, into the batch);
+    - a trajectory built step by step (the step source) is written into a row of a packed store (one tensor per
+      dtype), and keeps that row once it ends: its slot moves on to a free row. The store grows when every row is
+      taken (bounded: live slots plus waiting trajectories).
 
     Finished trajectories wait per group until the group's ``group_size`` samples are in; complete
     groups are released in the order they completed, and a batch's tensors are assembled once, in
@@ -68,6 +69,9 @@ class TrajectoryRecorder:
         self.group_size = group_size
         self.store: Segment | None = None  # packed rows of trajectories written step by step
         self.row_of_slot: torch.Tensor | None = None  # (B,) the store row each slot writes into
+        self.open: dict[int, list[tuple]] | None = None  # waves: slot -> pieces of its trajectory going on
+        self._slots = 0  # waves: how many slots they have
+        self._live: Segment | None = None  # a checkpoint's live rows: where restored trajectories going on begin
         self.free: list[int] = []
         self._packer: Packer | None = None
         self._id_columns: tuple | None = None  # where group, trajectory and sample ids are in the store: (dtype, column) x 3
@@ -94,16 +98,39 @@ class TrajectoryRecorder:
         self.flush()
         active = chunk[F_ACTIVE]  # (B, k)
         done = chunk[F_DONE].reshape(active.shape)
-        first = active[:, 0]
-        whole = first & (chunk[F_RESP][:, 0] == 0) & done.any(1)  # the wave holds the whole trajectory
+        first, resp = active[:, 0], chunk[F_RESP][:, 0]
+        starts, ends = first & (resp == 0), done.any(1)
+        whole = starts & ends  # the wave holds the whole trajectory
+        seg = Segment(chunk)
+        if self.open is None:
+            self.open, self._slots = {}, active.shape[0]
         if not bool(whole.all()) and bool((first & ~whole).any()):
-            self._write_steps(chunk, rows=(first & ~whole).nonzero().squeeze(-1))
+            self._write_pieces(seg, chunk, (first & ~whole).nonzero().squeeze(-1), starts, ends, active)
         if bool(whole.any()):
             rows = whole.nonzero().squeeze(-1)
             lengths = chunk[F_RESP][rows].gather(1, done[rows].int().argmax(1, keepdim=True)).squeeze(1) + 1
-            self._finish(Segment(chunk), rows, lengths, chunk[F_GROUP][rows, 0], chunk[F_TRAJ][rows, 0],
+            self._finish([seg] * len(rows), rows, lengths, chunk[F_GROUP][rows, 0], chunk[F_TRAJ][rows, 0],
                          chunk[F_SAMPLE][rows, 0])  # fmt: skip
         return None
+
+    def _write_pieces(self, seg: Segment, chunk: dict, rows: torch.Tensor, starts, ends, active) -> None:
+        """Keep the wave rows ``rows`` of trajectories going on across waves as pieces of their slots' chains (by
+        reference); queue the chains that end."""
+        steps, resp = active[rows].sum(1).tolist(), chunk[F_RESP][rows, 0].tolist()
+        is_start, is_end = starts[rows].tolist(), ends[rows].tolist()
+        finished = []
+        for slot, n, before, start, end in zip(rows.tolist(), steps, resp, is_start, is_end, strict=True):
+            if start:
+                self.open[slot] = []
+            elif slot not in self.open:  # restored from a checkpoint: its steps so far are the live row's
+                self.open[slot] = [(self._live, slot, before)]
+            self.open[slot].append((seg, slot, n))
+            if end:
+                finished.append((slot, Chain(self.open.pop(slot)), before + n))
+        if finished:
+            index = torch.tensor([f[0] for f in finished])
+            self._finish([f[1] for f in finished], index, torch.tensor([f[2] for f in finished]),
+                         chunk[F_GROUP][index, 0], chunk[F_TRAJ][index, 0], chunk[F_SAMPLE][index, 0])  # fmt: skip
 
     def _alloc(self, packed: dict, B: int) -> None:
         self.store = Segment({dt: v.new_zeros(B, self.max_steps, v.shape[-1]) for dt, v in packed.items()}, is_packed=True)
@@ -152,21 +179,6 @@ class TrajectoryRecorder:
             lengths = chunk[F_RESP][e_slots, e_steps].clamp(max=self.max_steps - 1) + 1
             self._queue_rows(e_rows, lengths)
 
-    def _write_steps(self, chunk: dict, rows: torch.Tensor) -> None:
-        """Write the live steps of a wave's ``rows`` into the slots' store rows at their response positions
-        (turns continuing across waves); queue rows that end."""
-        sel = chunk[F_ACTIVE].clone()
-        keep = torch.zeros(sel.shape[0], dtype=torch.bool)
-        keep[rows] = True
-        sel &= keep[:, None]
-        cell, packed = self._pack_cells(chunk, sel)
-        slots = cell // sel.shape[1]
-        pos = chunk[F_RESP].reshape(-1).index_select(0, cell)
-        self._store_cells(packed, self.row_of_slot[slots], pos)
-        done = chunk[F_DONE].reshape(-1).index_select(0, cell)
-        if bool(done.any()):
-            self._queue_finished(slots[done], pos[done] + 1)
-
     def _pack_cells(self, chunk: dict, sel: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The cells ``sel`` (B, k) of ``chunk`` as flat indices (slot * k + step) and packed (one tensor per dtype):
         gathered per key with one flat index, then packed, so the interleaving copy runs over them only. The store
@@ -188,27 +200,21 @@ class TrajectoryRecorder:
             store = self.store.tensors[dt]
             store.view(-1, store.shape[-1]).index_copy_(0, dst, v)
 
-    def _queue_finished(self, ended: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Queue the store rows of the slots ``ended`` (trajectories of ``lengths`` steps); the slots take free rows."""
-        finished = self.row_of_slot[ended]
-        self.row_of_slot[ended] = self._take_rows(len(ended))  # the slots move on; the rows stay queued
-        self._queue_rows(finished, lengths)
-
     def _queue_rows(self, finished: torch.Tensor, lengths: torch.Tensor) -> None:
         """Queue finished trajectories by their store rows (ids read from each row's first step)."""
         if self._id_columns is None:
             self._id_columns = tuple(self._packer.column(f) for f in (F_GROUP, F_TRAJ, F_SAMPLE))
         groups, trajs, samples = (self.store.tensors[dt][finished, 0, col] for dt, col in self._id_columns)
-        self._finish(self.store, finished, lengths, groups, trajs, samples)
+        self._finish([self.store] * len(finished), finished, lengths, groups, trajs, samples)
 
     def hold_parts(self, trajs) -> None:
         """Trajectories that end as parts of an episode going on in a new trajectory (``TokenEnv.pop_parts``): held
         until the episode's last trajectory is released, which carries them into its batch."""
         self.parts.update(int(t) for t in trajs)
 
-    def _finish(self, seg: Segment, rows, lengths, groups, trajs, samples) -> None:
-        scores = [None] * len(rows) if self.sampling is None else self._scores(seg, rows, lengths)
-        entries = zip([seg] * len(rows), rows.tolist(), lengths.tolist(), groups.tolist(), trajs.tolist(), scores,
+    def _finish(self, segs: list, rows, lengths, groups, trajs, samples) -> None:
+        scores = [None] * len(rows) if self.sampling is None else self._scores(segs, rows, lengths)
+        entries = zip(segs, rows.tolist(), lengths.tolist(), groups.tolist(), trajs.tolist(), scores,
                       samples.tolist(), [False] * len(rows), strict=True)  # fmt: skip
         is_split = bool(self.parts or self.held)
         if is_split:
@@ -242,11 +248,15 @@ class TrajectoryRecorder:
             out.append(e)
         return out
 
-    def _scores(self, seg: Segment, rows: torch.Tensor, lengths: torch.Tensor) -> list[float]:
+    def _scores(self, segs: list, rows: torch.Tensor, lengths: torch.Tensor) -> list[float]:
         """The finished trajectories' rewards summed over their steps (a view of the rewards, no copy first)."""
+        seg = segs[0]  # one segment for all, or a chain each
         if self._score_name is None:
             names = set(seg.tensors) if not seg.is_packed else {n for ns in self._packer.groups.values() for n, _ in ns}
             self._score_name = self.sampling.score_name(names)
+        if isinstance(seg, Chain):
+            return [sum(self._scores([piece], torch.tensor([row]), torch.tensor([n]))[0] for piece, row, n in c.pieces)
+                    for c in segs]  # fmt: skip
         if seg.is_packed:
             if self._score_column is None:
                 self._score_column = self._packer.column(self._score_name)
@@ -357,7 +367,14 @@ class TrajectoryRecorder:
             mask = torch.arange(width)[None, :] < torch.tensor([e[2] for e in entries])[:, None]
             queued = {name: v.clone() for name, v in assemble(entries, width, mask, self._packer).items()}
         live = None
-        if self.store is not None:
+        if self.open is not None:  # waves: each slot's trajectory going on (zeros where none)
+            chains = [(Chain(self.open.get(b, [])), b, sum(p[2] for p in self.open.get(b, [])))
+                      for b in range(self._slots)]  # fmt: skip
+            if any(c[2] for c in chains):
+                lengths = torch.tensor([c[2] for c in chains])
+                mask = torch.arange(self.max_steps)[None, :] < lengths[:, None]
+                live = assemble(chains, self.max_steps, mask, self._packer)
+        elif self.store is not None:
             live = self._packer.unpack({dt: v[self.row_of_slot] for dt, v in self.store.tensors.items()})
         return {"live": live, "queued": queued, "entries": [list(e[2:]) for e in entries],
                 "num_ready": len(self.ready), "num_waiting": len(entries) - len(self.ready) - self.num_held,
@@ -366,6 +383,7 @@ class TrajectoryRecorder:
 
     def load_state_dict(self, state: dict) -> None:
         self.store, self.row_of_slot, self.free, self._packer, self._id_columns = None, None, [], None, None
+        self.open, self._live = None, None
         self.deferred.clear()
         self._score_column = None
         self._peeked = 0
@@ -374,6 +392,7 @@ class TrajectoryRecorder:
             packed = self._packer.pack(state["live"])
             self.store = Segment(packed, is_packed=True)
             self.row_of_slot = torch.arange(packed[next(iter(packed))].shape[0])
+            self._live = Segment(dict(state["live"]))  # waves go on from these rows
         seg = None if state["queued"] is None else Segment(state["queued"])
         # (length, group, traj, score, sample, is_part): older checkpoints lack the last (three)
         entries = [(seg, i, *e, *(None, -1, False)[len(e) - 3 :]) for i, e in enumerate(state["entries"])]
