@@ -11,10 +11,10 @@ import torch
 from tokengym.collectors import CollectorOptions, DynamicSampling, TokenCollector
 from tokengym.llm_envs import PromptSource, TokenEnv, keys
 from tokengym.llm_envs.turns import FeedbackTurns, Turn
+from tokengym.llm_envs.waves import WaveResult
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "property"))
 from test_step_wave_equality import PROMPTS, TOK, ScriptedPolicy, _token  # noqa: E402
-from tokengym.llm_envs.waves import WaveResult  # noqa: E402
 
 
 class SampledPolicy(ScriptedPolicy):
