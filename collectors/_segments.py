@@ -9,7 +9,7 @@ import torch
 from tokengym.collectors._packing import Packer, flat_name
 from tokengym.llm_envs import keys
 
-__all__ = ["Chain", "Segment", "assemble", "give_parts_their_reward"]
+__all__ = ["Chain", "Segment", "assemble", "give_parts_their_reward", "open_rows"]
 
 F_REWARD = flat_name(keys.REWARD)
 
@@ -88,6 +88,16 @@ def assemble(take: list[tuple], width: int, mask: torch.Tensor, packer: Packer) 
                 src, dst = _per_element(src, k), _per_element(dst, k)
             flat.scatter_(0, dst, seg.tensors[name].reshape(-1).index_select(0, src))
     return out
+
+
+def open_rows(chains: dict[int, list[tuple]], slots: int, width: int, packer: Packer) -> dict | None:
+    """(slots, width, ...) tensors by flat name of each slot's trajectory going on (``chains``: slot -> its pieces),
+    zeros where none; ``None`` when no slot has one."""
+    entries = [(Chain(chains.get(b, [])), b, sum(p[2] for p in chains.get(b, []))) for b in range(slots)]
+    if not any(e[2] for e in entries):
+        return None
+    mask = torch.arange(width)[None, :] < torch.tensor([e[2] for e in entries])[:, None]
+    return assemble(entries, width, mask, packer)
 
 
 def _store_rows(seg: Segment, rows: list[int], width: int, mask: torch.Tensor, packer: Packer, *, clone: bool) -> dict:

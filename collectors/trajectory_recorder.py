@@ -18,7 +18,7 @@ from tokengym.collectors._packing import (
     flat_name,
     to_tensordict,
 )
-from tokengym.collectors._segments import Chain, Segment, assemble, give_parts_their_reward
+from tokengym.collectors._segments import Chain, Segment, assemble, give_parts_their_reward, open_rows
 from tokengym.collectors._step_chunks import DeferredSteps, segment_rows
 from tokengym.collectors.dynamic_sampling import DynamicSampling, SpreadFilter
 from tokengym.llm_envs import keys
@@ -111,7 +111,6 @@ class TrajectoryRecorder:
             lengths = chunk[F_RESP][rows].gather(1, done[rows].int().argmax(1, keepdim=True)).squeeze(1) + 1
             self._finish([seg] * len(rows), rows, lengths, chunk[F_GROUP][rows, 0], chunk[F_TRAJ][rows, 0],
                          chunk[F_SAMPLE][rows, 0])  # fmt: skip
-        return None
 
     def _write_pieces(self, seg: Segment, chunk: dict, rows: torch.Tensor, starts, ends, active) -> None:
         """Keep the wave rows ``rows`` of trajectories going on across waves as pieces of their slots' chains (by
@@ -131,10 +130,6 @@ class TrajectoryRecorder:
             index = torch.tensor([f[0] for f in finished])
             self._finish([f[1] for f in finished], index, torch.tensor([f[2] for f in finished]),
                          chunk[F_GROUP][index, 0], chunk[F_TRAJ][index, 0], chunk[F_SAMPLE][index, 0])  # fmt: skip
-
-    def _alloc(self, packed: dict, B: int) -> None:
-        self.store = Segment({dt: v.new_zeros(B, self.max_steps, v.shape[-1]) for dt, v in packed.items()}, is_packed=True)
-        self.row_of_slot, self.free = torch.arange(B), []
 
     def _take_rows(self, n: int) -> torch.Tensor:
         """``n`` free rows of the store (it doubles when none are left)."""
@@ -174,7 +169,9 @@ class TrajectoryRecorder:
         new_rows = self._take_rows(n_ended) if n_ended else torch.zeros(0, dtype=torch.int64)
         cell_rows, e_slots, e_steps, e_rows, self.row_of_slot = segment_rows(done, self.row_of_slot, new_rows)
         pos = chunk[F_RESP].reshape(-1).index_select(0, cell).clamp(max=self.max_steps - 1)
-        self._store_cells(packed, cell_rows.reshape(-1).index_select(0, cell), pos)
+        dst = cell_rows.reshape(-1).index_select(0, cell) * self.max_steps + pos  # (store row, position), flat
+        for dt, v in packed.items():  # one index_copy_ per dtype
+            self.store.tensors[dt].view(-1, v.shape[-1]).index_copy_(0, dst, v)
         if n_ended:
             lengths = chunk[F_RESP][e_slots, e_steps].clamp(max=self.max_steps - 1) + 1
             self._queue_rows(e_rows, lengths)
@@ -190,15 +187,10 @@ class TrajectoryRecorder:
         packed = self._packer.pack(Step({name: v.reshape(-1, *v.shape[2:]).index_select(0, cell)
                                          for name, v in chunk.items()}))  # fmt: skip
         if self.store is None:
-            self._alloc(packed, sel.shape[0])
+            B = sel.shape[0]
+            self.store = Segment({dt: v.new_zeros(B, self.max_steps, v.shape[-1]) for dt, v in packed.items()}, is_packed=True)
+            self.row_of_slot, self.free = torch.arange(B), []
         return cell, packed
-
-    def _store_cells(self, packed: dict, rows: torch.Tensor, pos: torch.Tensor) -> None:
-        """Write packed cells at (store row, position): one ``index_copy_`` per dtype on the flat rows."""
-        dst = rows * self.max_steps + pos
-        for dt, v in packed.items():
-            store = self.store.tensors[dt]
-            store.view(-1, store.shape[-1]).index_copy_(0, dst, v)
 
     def _queue_rows(self, finished: torch.Tensor, lengths: torch.Tensor) -> None:
         """Queue finished trajectories by their store rows (ids read from each row's first step)."""
@@ -367,13 +359,8 @@ class TrajectoryRecorder:
             mask = torch.arange(width)[None, :] < torch.tensor([e[2] for e in entries])[:, None]
             queued = {name: v.clone() for name, v in assemble(entries, width, mask, self._packer).items()}
         live = None
-        if self.open is not None:  # waves: each slot's trajectory going on (zeros where none)
-            chains = [(Chain(self.open.get(b, [])), b, sum(p[2] for p in self.open.get(b, [])))
-                      for b in range(self._slots)]  # fmt: skip
-            if any(c[2] for c in chains):
-                lengths = torch.tensor([c[2] for c in chains])
-                mask = torch.arange(self.max_steps)[None, :] < lengths[:, None]
-                live = assemble(chains, self.max_steps, mask, self._packer)
+        if self.open is not None:  # waves: each slot's trajectory going on
+            live = open_rows(self.open, self._slots, self.max_steps, self._packer)
         elif self.store is not None:
             live = self._packer.unpack({dt: v[self.row_of_slot] for dt, v in self.store.tensors.items()})
         return {"live": live, "queued": queued, "entries": [list(e[2:]) for e in entries],
