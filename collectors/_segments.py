@@ -56,8 +56,9 @@ def assemble(take: list[tuple], width: int, mask: torch.Tensor, packer: Packer) 
             part[1].append(i)
             part[2].append(e[1])
             continue
-        offset = i * width
+        offset, end = i * width, (i + 1) * width
         for piece, row, steps in seg.pieces if isinstance(seg, Chain) else ((seg, e[1], e[2]),):
+            steps = min(steps, end - offset)  # a batch cut shorter than the trajectory keeps its first steps
             at = cells.setdefault(id(piece), (piece, [], [], []))
             at[1].append(row * next(iter(piece.tensors.values())).shape[1])
             at[2].append(offset)
