@@ -3,7 +3,9 @@
 :class:`ServerFleet` sends a wave of requests over the live servers (least outstanding requests; a key
 such as a trajectory sticks to the server it used before, so its prefix cache is reused). A server that
 cannot be reached, times out or answers 5xx is marked down and its requests are sent again elsewhere,
-unchanged (same seeds): each request gets exactly one answer. A 4xx answer is the request's fault and
+unchanged (same seeds): each request gets exactly one answer. A request whose connection is closed without an
+answer is first sent once more to the same server (a connection the server was closing as it was reused is not
+a server that is down; one that is gone refuses the next connection and is marked down then). A 4xx answer is the request's fault and
 raises at once with the server's message. With no server left, :class:`NoServerError` names each
 server and its last failure. A server whose engine died (HTTP 500 naming vLLM's ``EngineCore``) is
 described so, with its log file when this process started it
@@ -273,10 +275,10 @@ class ServerFleet:
 
     async def _one(self, i: int, payload: dict, key, results: list) -> None:
         timeout = httpx.Timeout(self.options.request_timeout_s, connect=self.options.connect_timeout_s)
-        has_revived, sent = False, 0
+        has_revived, sent, again = False, 0, None
         while True:
-            try:
-                server = self._pick(key)
+            try:  # a request whose connection was dropped goes to the same server once more
+                server, again = (again, None) if again is not None and again.is_up else (self._pick(key), None)
             except NoServerError:
                 if has_revived:
                     raise
@@ -305,6 +307,11 @@ class ServerFleet:
             if err is not None:
                 if not isinstance(err, httpx.HTTPError | OSError):
                     raise err
+                if isinstance(err, httpx.RemoteProtocolError) and sent == 1:
+                    # closed without an answer (a connection the server was closing as it was reused): not yet a
+                    # server that is down; a server that is gone refuses the next connection
+                    again = server
+                    continue
                 self.mark_down(server, _describe(err), moving=1)
                 continue
             response = attempt.result()

@@ -400,6 +400,24 @@ def test_a_dropped_connection_while_checking_a_server_is_sent_again(fleet):
         relay.close()
 
 
+def test_a_completion_whose_connection_is_dropped_is_sent_again_to_the_same_server(fleet):
+    """A connection closed without an answer while a wave is generated: the request goes to the same server once
+    more (counted as retried), and the server is not marked down."""
+    relay = DroppingRelay(fleet.urls[0], drops=0)
+    env = fleet.env()
+    policy = fleet.policy(env, [relay.url])
+    try:
+        time.sleep(2.5)  # the start-up checks' idle connections expire (2 s): the wave opens new ones
+        relay.drops = 1
+        batch = next(iter(TokenCollector(env, policy, mode="trajectories", batch_size=4, source="wave")))
+        assert relay.dropped == 1 and int(batch[keys.MASK].sum()) > 0
+        counts = policy.counts()
+        assert counts["server_failovers"] == 0 and counts["servers_up"] == 1 and counts["retried_requests"] == 1
+    finally:
+        policy.close()
+        relay.close()
+
+
 def test_a_4xx_answer_raises_at_once_with_the_servers_message(fleet):
     env = fleet.env()
     with pytest.raises(ValueError, match=r"banned_token_ids \[100000\] are outside the model's vocabulary \[0, 512\)"):
