@@ -24,7 +24,7 @@ answers has its development endpoints open to anyone who can reach it, and :func
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import re
 import warnings
 from pathlib import Path
@@ -49,7 +49,7 @@ async def inspect_server(fleet: ServerFleet, server: Server, ids: list[int]) -> 
     one whose head size its CPU attention cannot run, or its engine died. Every call is free of side effects and
     is sent once more when its connection fails."""
     try:
-        return await _inspect(_Checker(fleet, server), ids)
+        return await _inspect(fleet, server, ids)
     except httpx.HTTPStatusError as err:  # a 5xx answer: the message says what (an engine that died, its log)
         raise ValueError(f"vLLM server {server.url} failed while tokengym checked it: {err}") from err
     except (httpx.TransportError, OSError) as err:
@@ -58,19 +58,8 @@ async def inspect_server(fleet: ServerFleet, server: Server, ids: list[int]) -> 
                          "--model DIR ...) or fix the URL") from err  # fmt: skip
 
 
-@dataclasses.dataclass
-class _Checker:
-    """The inspection's calls to one server, each sent again once when its connection fails."""
-
-    fleet: ServerFleet
-    server: Server
-
-    async def __call__(self, method: str, path: str, payload=None):
-        return await self.fleet.call(self.server, method, path, payload, retry=True)
-
-
-async def _inspect(call: _Checker, ids: list[int]) -> dict:
-    fleet, server = call.fleet, call.server
+async def _inspect(fleet: ServerFleet, server: Server, ids: list[int]) -> dict:
+    call = functools.partial(fleet.call, server, retry=True)  # (method, path, payload=None)
     try:
         await call("GET", "/health")
         models = await call("GET", "/v1/models")
@@ -129,7 +118,7 @@ def _check_served_head_size(answer: dict, checkpoint_dir: str | None) -> None:
     check_head_size(model_dir_config(local), f"the model vLLM server {answer['url']} serves ({local})", is_cpu=is_cpu)
 
 
-async def _vocab_size(call: _Checker) -> int | None:
+async def _vocab_size(call) -> int | None:
     body = {"prompt": [0], "max_tokens": 1, "logit_bias": {str(2**31 - 1): 0.0}}
     try:
         await call("POST", "/v1/completions", body)
@@ -139,7 +128,7 @@ async def _vocab_size(call: _Checker) -> int | None:
     return None
 
 
-async def _probe_log_prob(call: _Checker) -> float:
+async def _probe_log_prob(call) -> float:
     """Log-prob of a token sampled from a distribution restricted to it: 0 in processed mode."""
     body = {"prompt": [0], "max_tokens": 1, "logprobs": 0, "allowed_token_ids": [0], "temperature": 1.0, "top_k": 0,
             "top_p": 1.0, "min_p": 0.0, "seed": 0}  # fmt: skip

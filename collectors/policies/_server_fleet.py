@@ -5,8 +5,8 @@ such as a trajectory sticks to the server it used before, so its prefix cache is
 cannot be reached, times out or answers 5xx is marked down and its requests are sent again elsewhere,
 unchanged (same seeds): each request gets exactly one answer. A request whose connection is closed without an
 answer is first sent once more to the same server (a connection the server was closing as it was reused is not
-a server that is down; one that is gone refuses the next connection and is marked down then). A 4xx answer is the request's fault and
-raises at once with the server's message. With no server left, :class:`NoServerError` names each
+a server that is down; one that is gone refuses the next connection and is marked down then). A 4xx answer is
+the request's fault and raises at once with the server's message. With no server left, :class:`NoServerError` names each
 server and its last failure. A server whose engine died (HTTP 500 naming vLLM's ``EngineCore``) is
 described so, with its log file when this process started it
 (:class:`~tokengym.collectors.policies.LocalVLLMServer`).
