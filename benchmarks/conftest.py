@@ -73,7 +73,7 @@ def _throughput_table(write) -> None:
     write("Real (non-padding) tokens/s: median over interleaved rounds (contestants in a rotated order each round); "
           "ratios: median of the per-round ratios. Full-vocabulary sampling at temperature 1 for every contestant; "
           "one torch thread.")  # fmt: skip
-    names = ["generate", "hand loop", "stepwise", "wave", "torchrl"]
+    names = ["generate", "hand loop", "hand loop, inference mode", "stepwise", "wave", "torchrl"]
     pairs = list(dict.fromkeys(pair for _, _, ratios in _THROUGHPUT.values() for pair in ratios))
     write("| config | B | " + " | ".join(names + [f"{a} ÷ {b}" for a, b in pairs]) + " | setup |")
     write("|---" * (len(names) + len(pairs) + 3) + "|")

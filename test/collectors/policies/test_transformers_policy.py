@@ -120,3 +120,24 @@ def test_score_reproduces_the_sampling_log_probs(make_env, make_policy):
     logp, entropy = policy.teacher_forced_log_probs(batch, with_entropy=True)
     assert torch.allclose(logp[mask], batch[keys.ACTION_LOG_PROB][mask], atol=1e-5)
     assert bool((entropy[mask] > 0).all()) and bool((entropy[~mask] == 0).all())
+
+
+def test_outputs_are_ordinary_tensors_though_the_cache_runs_in_inference_mode(make_env, make_policy):
+    """The KV cache's forwards run under torch.inference_mode (faster); what the policy hands out is not an
+    inference tensor: a user may write it in place and use it in a loss that autograd saves, and a checkpoint
+    of the cache holds ordinary tensors."""
+    env = make_env()
+    policy = make_policy(env)
+    td = policy(env.reset())
+    for key in ("action", "action_log_prob"):
+        assert not td[key].is_inference()
+    weight = torch.ones(4, requires_grad=True)
+    (weight * td["action_log_prob"]).sum().backward()  # saved for backward: refused for an inference tensor
+    td["action_log_prob"].mul_(1.0)  # in place: refused outside inference mode for an inference tensor
+    _, td = env.step_and_maybe_reset(td)
+    td = policy(td)  # the next step goes on from the cache filled in inference mode
+    state = policy.cache.state_dict()
+    assert not any(k.is_inference() or v.is_inference() for k, v in state["kv"]) and not state["mask"].is_inference()
+    restored = type(policy.cache)(policy.model, 4)
+    restored.load_state_dict(state)
+    restored.length += 0  # the restored cache is written in place by the next steps
