@@ -20,7 +20,21 @@ F_VERSION, F_TRAJ, F_GROUP = keys.POLICY_VERSION, keys.TRAJ_ID, keys.GROUP_ID
 
 
 def to_tensordict(flat: dict, batch_size) -> TensorDict:
-    return TensorDict(flat, batch_size).unflatten_keys(".")
+    """A TensorDict of ``flat`` (flat names -> tensors of leading shape ``batch_size``), nested at the dots: built
+    directly (a tenth of ``TensorDict(flat).unflatten_keys(".")``'s time; the recorders' tensors need no checks)."""
+    root: dict = {}
+    for name, v in flat.items():
+        *path, leaf = name.split(".")
+        node = root
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = v
+    return _nested(root, torch.Size(batch_size))
+
+
+def _nested(tree: dict, batch_size: torch.Size) -> TensorDict:
+    return TensorDict._new_unsafe({k: _nested(v, batch_size) if isinstance(v, dict) else v for k, v in tree.items()},
+                                  batch_size=batch_size)  # fmt: skip
 
 
 class Step(dict):

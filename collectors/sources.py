@@ -66,6 +66,7 @@ class StepSource:
             raise TypeError(f"source='step' needs a policy callable on the step TensorDict; {type(policy).__name__} "
                             "only generates waves: use source='wave'")  # fmt: skip
         self.env, self.policy, self.obs = env, policy, None
+        self.is_bare = _base(env) is env and hasattr(type(env), "done_slots")
         self.to_refill: list[int] = []  # slots whose prompt failed to load: refilled before the next step
         self._keys = _StepKeys()
 
@@ -103,8 +104,11 @@ class StepSource:
                 raise
             out, self.obs, self.to_refill, error = err.step, err.observation, list(err.slots), err
         nxt = out.get(_NEXT)
-        done = nxt.get(keys.DONE[1]).reshape(-1)
-        ended = done.nonzero().squeeze(-1).tolist() if bool(done.any()) else []
+        if self.is_bare:  # the env's own done flags: it knows which slots ended
+            ended = self.env.done_slots
+        else:  # a transform may end slots (a step counter, say): read the flags
+            done = nxt.get(keys.DONE[1]).reshape(-1)
+            ended = done.nonzero().squeeze(-1).tolist() if bool(done.any()) else []
         if ended:
             refilled += [b for b in ended if b not in self.to_refill]
         step = self._keys.chunk(td, nxt, 1)

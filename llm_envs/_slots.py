@@ -96,6 +96,8 @@ class Slots:
         self.deadline: torch.Tensor | None = None
         self.budget_deadline: torch.Tensor | None = None
         self.all_active = False
+        self.steps_left = 0  # steps before the first live slot can reach its deadline (counted down by commit)
+        self.done_slots: list[int] = []  # slots whose episode ended at the last step
         # full token sequences (prompt, turns, feedback) of finished multi-turn episodes, by trajectory id,
         # until a collector takes them (bounded: the oldest go first)
         self.finished: dict[int, torch.Tensor] = {}
@@ -171,6 +173,8 @@ class Slots:
         turn = None if max_turn_tokens is None else s[keys.PROMPT_LEN] + max_turn_tokens
         self.deadline = budget if turn is None else torch.minimum(budget, turn)
         self.all_active = bool(s[keys.ACTIVE].all())
+        gap = self.deadline - s[keys.SEQ_LEN]
+        self.steps_left = int((gap if self.all_active else torch.where(s[keys.ACTIVE], gap, max_length)).min())
 
     def commit(self, action, active, new_len, resp_len, done, *, any_done: bool) -> None:
         """Make a step (or a wave's last step) the slots' state."""
@@ -178,6 +182,7 @@ class Slots:
         s[keys.TOKEN] = action.clone() if self.all_active else torch.where(active, action, s[keys.TOKEN])
         s[keys.SEQ_LEN], s[keys.RESPONSE_LEN] = new_len, resp_len
         self.done, self.any_done = done, any_done
+        self.steps_left -= 1
 
     def continue_turns(self, appended: dict[int, torch.Tensor], new_len: torch.Tensor) -> int:
         """Write each continuing slot's feedback ids after its turn and move it to its next turn (lengths past

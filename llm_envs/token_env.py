@@ -14,14 +14,14 @@ from tokengym.llm_envs._decode import ResponseDecoder
 from tokengym.llm_envs._env_checks import check_int, check_tokenizer, context_limit, eos_ids
 from tokengym.llm_envs._loading import PromptLoader
 from tokengym.llm_envs._slots import Slots
+from tokengym.llm_envs._step_core import StepCore
 from tokengym.llm_envs._stop import StopChecker
 from tokengym.llm_envs._turn_ends import TurnEnds
-from tokengym.llm_envs.errors import PromptError, ResetNeeded, RewardFunctionError, refill_failures
+from tokengym.llm_envs.errors import PromptError, refill_failures
 from tokengym.llm_envs.prompts import Prompt, PromptSource
 from tokengym.llm_envs.turns.protocol import TurnHandler
 from tokengym.llm_envs.turns.render import ChatRenderer
 from tokengym.llm_envs.turns.scoring import RewardTurns
-from tokengym.llm_envs.unroll import WaveSteps, unroll_wave
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["TokenEnv", "RewardFn"]
@@ -166,10 +166,8 @@ class TokenEnv(EnvBase):
                                    vocab_size=self.vocab_size, decode=self.decode_responses)  # fmt: skip
         if self.turns.wants_log_probs:
             self._slots.keep_log_probs()
-        self._eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)
-        # per vocabulary id: a mark beyond any length at end ids, 0 elsewhere (a step finds ended turns with a gather)
-        self._end_table = torch.zeros(self.vocab_size, dtype=torch.int64)
-        self._end_table[self._eos] = 1 << 40
+        eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)
+        self._core = StepCore(self._slots, self._turn_ends, self._stop, eos, self.vocab_size)
         self._reset_td = None
         self._decoder: ResponseDecoder | None = None
 
@@ -381,103 +379,19 @@ class TokenEnv(EnvBase):
         tensordict.set(keys.NEXT, nxt)
         if self._slots.any_done:
             try:
-                return tensordict, self.refill(self._slots.done.nonzero().squeeze(-1).tolist())
+                return tensordict, self.refill(self._slots.done_slots)
             except PromptError as err:
                 err.step = tensordict  # the step itself succeeded: the caller records it
                 raise
         return tensordict, self._slots.observation(*self._slots.flags)  # the step's flags, as "next" holds them
 
-    def _check_action(self, action) -> torch.Tensor:
-        if not isinstance(action, torch.Tensor):
-            raise TypeError(f"action must be an int64 tensor of shape {tuple(self.batch_size)}, got {type(action)}")
-        if action.dtype != torch.int64:
-            raise TypeError(f"action must be int64 token ids, got dtype {action.dtype}; use action.long()")
-        if action.shape != self.batch_size:
-            raise ValueError(f"action must have shape {tuple(self.batch_size)} (one token per slot), got {tuple(action.shape)}")
-        lo, hi = (int(x) for x in torch.aminmax(action))
-        if lo < 0 or hi >= self.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"action {bad} is out of the vocabulary [0, {self.vocab_size}); check the policy's vocab")
-        return action
-
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        action, active, new_len, resp_len, previous, marks = self._advance(tensordict)
-        B, rt = self.batch_size[0], self._slots
-        if previous is None:  # the common step: no turn ends, nothing to score
-            flags = torch.zeros(3, B, 1, dtype=torch.bool).unbind(0)
-            rt.commit(action, active, new_len, resp_len, flags[0].view(B), any_done=False)
-            rt.flags = flags
-            return rt.observation(*flags, torch.zeros(B, 1))
-        ended = active & marks.bool()  # an end id
-        if self._stop.is_enabled:
-            ended |= self._stop.hits(rt.tokens, action, active & ~ended, rt.state[keys.PROMPT_LEN], new_len)
-        hit = active & (new_len >= rt.deadline)  # a budget, the context or the turn limit reached
-        limited, cut = self._split_limits(hit, ended, new_len)
-        try:
-            end = self._turn_ends.answer(self.turns, ended, limited, new_len, cut)
-        except RewardFunctionError:
-            self._rollback(previous)
-            raise
-        done = end.terminated | end.truncated
-        rt.commit(action, active, new_len, resp_len, done, any_done=bool(done.any()))
-        self._turn_ends.continue_turns(end.appended, new_len)
-        rt.flags = (done.unsqueeze(-1), end.terminated.unsqueeze(-1), end.truncated.unsqueeze(-1))
-        return rt.observation(*rt.flags, end.reward)
+        return self._core.step(tensordict, self.turns, self)
 
-    def _advance(self, tensordict: TensorDictBase):
-        """Validate the action, write it into the token buffer and tell whether a turn may have ended.
-
-        Returns ``(action, active, new_len, resp_len, previous, marks)``: ``previous`` holds the overwritten
-        buffer cells (for a rollback) when a slot's turn may have ended (an end id, a stop string or a limit), and
-        is ``None`` on the usual step, where nothing ended (then no end flags are computed at all); ``marks`` is
-        non-zero where the action is an end id.
-        """
-        rt = self._slots
-        if not rt.is_reset:
-            raise ResetNeeded("TokenEnv was stepped before reset(); call env.reset() first")
-        action = tensordict.get(keys.ACTION)
-        if not isinstance(action, torch.Tensor) or action.dtype != torch.int64 or action.shape != self.batch_size:
-            self._check_action(action)
-        s = rt.state
-        active = s[keys.ACTIVE]
-        self._check_not_done(active)
-        if rt.deadline is None:
-            rt.set_deadlines(self.max_new_tokens, self.max_length, self.max_turn_tokens)
-        seq_len = s[keys.SEQ_LEN]
-        try:  # one gather gives each action's end mark and checks it lies in the vocabulary
-            marks = self._end_table.index_select(0, action)
-        except IndexError:
-            self._check_action(action)
-            raise
-        if rt.all_active:
-            new_len, resp_len = seq_len + 1, s[keys.RESPONSE_LEN] + 1
-        else:
-            new_len, resp_len = seq_len + active, s[keys.RESPONSE_LEN] + active
-        # a turn may end where the action is an end id (its mark reaches any deadline) or a limit is reached
-        may_end = self._stop.is_enabled or bool(((marks + new_len) >= rt.deadline).any())
-        pos = rt.row_start + seq_len
-        previous = rt.flat.index_select(0, pos) if may_end or not rt.all_active else None
-        rt.flat.index_copy_(0, pos, action if rt.all_active else torch.where(active, action, previous))
-        if rt.log_probs is not None and (log_prob := tensordict.get(keys.ACTION_LOG_PROB, None)) is not None:
-            rt.write_log_probs(pos, log_prob)
-        return action, active, new_len, resp_len, previous if may_end else None, marks
-
-    def _split_limits(self, hit: torch.Tensor, ended: torch.Tensor, new_len: torch.Tensor):
-        """``(limited, cut)`` of the slots that reached a limit: the trajectory's budget or the context
-        (a truncation unless ``ended``), or only the turn's ``max_turn_tokens`` (where nothing else ended it)."""
-        if self.max_turn_tokens is None:
-            return hit, None
-        limited = hit & (new_len >= self._slots.budget_deadline)
-        return limited, hit & ~limited & ~ended
-
-    def _check_not_done(self, active: torch.Tensor) -> None:
-        if self._slots.any_done and bool((self._slots.done & active).any()):
-            slots = (self._slots.done & active).nonzero().squeeze(-1).tolist()
-            raise ResetNeeded(f"slots {slots} are done; reset them (td['_reset']) or use env.step_and_maybe_reset")
-
-    def _rollback(self, previous: torch.Tensor) -> None:
-        """Undo :meth:`_advance`'s write: a failed step leaves no trace."""
-        self._slots.flat.index_copy_(0, self._slots.row_start + self._slots.state[keys.SEQ_LEN], previous)
+    @property
+    def done_slots(self) -> list[int]:
+        """The slots whose episode ended at the last step (their ``("next", "done")``), in slot order."""
+        return self._slots.done_slots
 
     def decode_responses(self, rows: list[torch.Tensor]) -> list[str]:
         """The text of response id rows, as ``tokenizer.batch_decode(rows, skip_special_tokens=True)`` gives it
@@ -492,16 +406,7 @@ class TokenEnv(EnvBase):
 
         Done slots must be refilled first (:meth:`refill`); an exhausted source gives an empty request.
         """
-        s = self._slots.state
-        self._check_not_done(s[keys.ACTIVE])
-        slots = s[keys.ACTIVE].nonzero().squeeze(-1)
-        seq_len, resp_len = s[keys.SEQ_LEN][slots], s[keys.RESPONSE_LEN][slots]
-        budget = torch.minimum(self.max_new_tokens - resp_len, self.max_length - seq_len)
-        if self.max_turn_tokens is not None:
-            budget = torch.minimum(budget, self.max_turn_tokens - (seq_len - s[keys.PROMPT_LEN][slots]))
-        prompts = [self._slots.tokens[b, : int(n)] for b, n in zip(slots.tolist(), seq_len.tolist(), strict=True)]
-        return WaveRequest(slots=slots, prompts=prompts, max_new_tokens=budget,
-                           eos_token_ids=tuple(sorted(self.eos_token_ids)), stop_strings=self.stop_strings)  # fmt: skip
+        return self._core.wave_request(self, self.eos_token_ids, self.stop_strings)
 
     def unroll(self, request: WaveRequest, result: WaveResult, *, width: int | None = None) -> TensorDictBase:
         """The steps (B, T) that stepping the env through ``result``'s tokens gives, built at once.
@@ -515,32 +420,12 @@ class TokenEnv(EnvBase):
         ``policy_version`` and ``("next", ...)`` of every step, zero past each row's end; ``width`` pads it
         to at least that many steps (e.g. a recorder's fixed batch width).
         """
-        if not self._slots.is_reset:
-            raise ResetNeeded("TokenEnv.unroll before reset(); call env.reset() first")
-        wave = WaveSteps.from_result(request, result, self.batch_size[0])
-        start = self._slots.state[keys.SEQ_LEN]
-        steps = unroll_wave(wave, self._slots.state, self._slots.tokens, self._unroll_rules())
-        if self._slots.log_probs is not None:
-            self._slots.write_wave_log_probs(start, steps.new_len, wave.log_probs)
-        try:
-            end = self._turn_ends.answer(self.turns, steps.ended, steps.limited, steps.new_len, steps.cut)
-        except RewardFunctionError:
-            steps.rollback(self._slots.tokens)
-            raise
-        done = end.terminated | end.truncated
-        self._slots.copy_on_write()
-        self._slots.commit(steps.last_action, steps.in_wave, steps.new_len, steps.resp_len, done, any_done=bool(done.any()))
-        self._turn_ends.continue_turns(end.appended, steps.new_len)
-        return steps.to_tensordict(end, self._slots.state, width)
+        return self._core.unroll(request, result, self.turns, self, width)
 
     def close(self, *, raise_if_closed: bool = True) -> None:
         """Close the env and its turn handler (external episodes ended, sessions closed)."""
         self.turns.close()
         super().close(raise_if_closed=raise_if_closed)
-
-    def _unroll_rules(self):
-        return dict(eos=self._eos, stop=self._stop, max_new_tokens=self.max_new_tokens, max_length=self.max_length,
-                    max_turn_tokens=self.max_turn_tokens)
 
 
 def _describe(handler: TurnHandler) -> str:

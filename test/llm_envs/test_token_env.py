@@ -458,3 +458,25 @@ def test_step_a_done_slot_without_reset(tokenizer):
     td = env.step(act(env.reset(), EOS, A))["next"]
     with pytest.raises(ResetNeeded, match=r"slots \[0\] are done; reset them"):
         env.step(act(td, A, A))
+
+
+def test_staggered_limits_end_each_slot_at_its_own_step(tokenizer):
+    """Slots refilled at different steps, with prompts of different lengths, reach the budget, the context and the
+    turn limit at their own steps (the step skips the limit comparison while no slot can reach one): each trajectory
+    ends exactly when a rule says so, and ``done_slots`` names the slots whose ``("next", "done")`` is set."""
+    prompts = ["1+1=", "hello world, how", "abc", "2+2=", "a much longer prompt here", "x"]
+    env = make(tokenizer, prompts, batch_size=3, max_new_tokens=7, max_length=24, max_turn_tokens=5)
+    td = env.reset()
+    gen = torch.Generator().manual_seed(0)
+    ends = 0
+    for _ in range(60):
+        seq, resp, p_len = td[keys.SEQ_LEN].clone(), td[keys.RESPONSE_LEN].clone(), td[keys.PROMPT_LEN].clone()
+        action = torch.randint(40, 60, (3,), generator=gen)
+        action[torch.rand(3, generator=gen) < 0.1] = EOS
+        step, td = env.step_and_maybe_reset(act(td, *action.tolist()))
+        done = step["next", "done"].reshape(-1)
+        expect = (action == EOS) | (resp + 1 >= 7) | (seq + 1 >= 24) | (seq + 1 - p_len >= 5)
+        assert done.tolist() == expect.tolist()
+        assert env.done_slots == done.nonzero().squeeze(-1).tolist()
+        ends += int(done.sum())
+    assert ends > 10
