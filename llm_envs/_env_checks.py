@@ -52,6 +52,17 @@ def check_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def check_env_args(tokenizer, *, batch_size, max_new_tokens, max_turn_tokens, max_turns) -> None:
+    """A token env's sizes and tokenizer, checked before anything is built."""
+    check_int("batch_size", batch_size)
+    check_int("max_new_tokens", max_new_tokens)
+    if max_turn_tokens is not None:
+        check_int("max_turn_tokens", max_turn_tokens)
+    check_tokenizer(tokenizer)
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+
+
 def check_tokenizer(tokenizer) -> None:
     if tokenizer is None or isinstance(tokenizer, str):
         raise TypeError(

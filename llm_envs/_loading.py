@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+from tensordict import TensorDict
 
 from tokengym.llm_envs._slots import Slots
-from tokengym.llm_envs.errors import PromptError
+from tokengym.llm_envs.errors import PromptError, refill_failures
 from tokengym.llm_envs.prompts import Prompt
+from tokengym.llm_envs.turns.protocol import TurnHandler
 
 __all__ = ["PromptLoader"]
 
@@ -20,6 +22,39 @@ class PromptLoader:
 
     def __init__(self, slots: Slots, *, max_length: int, vocab_size: int) -> None:
         self.slots, self.max_length, self.vocab_size = slots, max_length, vocab_size
+
+    def refill(self, source, handler: TurnHandler, slot_ids: list[int]) -> TensorDict:
+        """Load the next prompts of ``source`` into ``slot_ids`` (``handler`` told of the prompts released and
+        held, if it listens); the observation of every slot, or a PromptError holding it."""
+        has_hooks = type(handler).release is not TurnHandler.release or type(handler).refilled is not TurnHandler.refilled
+        if not has_hooks:  # the usual handler: no prompt lists to build on a refill (the step path's hot spot)
+            return self._refill(source, slot_ids)
+        held = [p for b in slot_ids if (p := self.slots.prompts[b]) is not None]
+        if held:
+            handler.release(held)
+        try:
+            return self._refill(source, slot_ids)
+        finally:
+            handler.refilled([p for p in self.slots.prompts if p is not None])
+
+    def _refill(self, source, slot_ids: list[int]) -> TensorDict:
+        self.slots.copy_on_write()
+        failed = self.fill(source, slot_ids)
+        self.slots.is_reset = True
+        obs = self.slots.reset_observation()
+        if failed:
+            b, err = failed[0]
+            raise PromptError(refill_failures(failed), slots=[s for s, _ in failed], observation=obs) from err
+        return obs
+
+    def restart(self, handler: TurnHandler, slot_ids: list[int]) -> TensorDict:
+        """Start ``slot_ids`` over from their prompts, under new trajectory ids; the observation of every slot."""
+        handler.restart([p for b in slot_ids if (p := self.slots.prompts[b]) is not None])
+        self.slots.copy_on_write()
+        for b in slot_ids:
+            self.slots.done[b] = False
+            self.load_one(b, self.slots.prompts[b])
+        return self.slots.reset_observation()
 
     def fill(self, source, slot_ids: list[int]) -> list[tuple[int, PromptError]]:
         """Draw the next prompt of ``source`` for each of ``slot_ids`` and load them; returns the failures."""

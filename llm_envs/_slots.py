@@ -141,6 +141,12 @@ class Slots:
             out["reward"] = reward
         return TensorDict._new_unsafe(out, batch_size=self.done.shape)
 
+    def reset_observation(self) -> TensorDict:
+        """The observation after a (partial) reset: done only where a slot could not be loaded."""
+        self.any_done = bool(self.done.any())
+        zeros = torch.zeros(self.done.shape[0], 1, dtype=torch.bool)
+        return self.observation(self.done.unsqueeze(-1).clone(), zeros, zeros.clone())
+
     def load(self, loaded: list[tuple[int, Prompt]]) -> None:
         """Put prompts into slots (one write per key), under the next trajectory ids; the slots are not done."""
         write_prompts(self.tokens, self.state, loaded, self.next_traj, table=self._live_table())

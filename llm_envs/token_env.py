@@ -11,17 +11,17 @@ from torchrl.envs import EnvBase
 
 from tokengym.llm_envs import keys
 from tokengym.llm_envs._decode import ResponseDecoder
-from tokengym.llm_envs._env_checks import check_int, check_tokenizer, context_limit, eos_ids
+from tokengym.llm_envs._env_checks import check_env_args, check_int, context_limit, eos_ids
 from tokengym.llm_envs._loading import PromptLoader
 from tokengym.llm_envs._slots import Slots
 from tokengym.llm_envs._step_core import StepCore
 from tokengym.llm_envs._stop import StopChecker
 from tokengym.llm_envs._turn_ends import TurnEnds
-from tokengym.llm_envs.errors import PromptError, refill_failures
+from tokengym.llm_envs.errors import PromptError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
 from tokengym.llm_envs.turns.protocol import TurnHandler
 from tokengym.llm_envs.turns.render import ChatRenderer
-from tokengym.llm_envs.turns.scoring import RewardTurns
+from tokengym.llm_envs.turns.scoring import RewardTurns, turn_handler
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["TokenEnv", "RewardFn"]
@@ -111,20 +111,9 @@ class TokenEnv(EnvBase):
         shuffle: bool = False,
         overlong_prompts: str = "error",
     ) -> None:
-        check_int("batch_size", batch_size)
-        check_int("max_new_tokens", max_new_tokens)
-        if max_turn_tokens is not None:
-            check_int("max_turn_tokens", max_turn_tokens)
-        check_tokenizer(tokenizer)
-        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-            raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
-        if turns is None:
-            turns = RewardTurns(reward_fn)
-        elif reward_fn is not None:
-            raise ValueError("pass reward_fn or turns=, not both: the turn handler rewards (score inside it, or "
-                             "turns=RewardTurns(reward_fn))")  # fmt: skip
-        elif not isinstance(turns, TurnHandler):
-            raise TypeError(f"turns must be a TurnHandler (tokengym.llm_envs.turns), got {type(turns).__name__}")
+        check_env_args(tokenizer, batch_size=batch_size, max_new_tokens=max_new_tokens, max_turn_tokens=max_turn_tokens,
+                       max_turns=max_turns)  # fmt: skip
+        turns = turn_handler(reward_fn, turns)
         super().__init__(batch_size=torch.Size([batch_size]))
         if isinstance(prompts, PromptSource):
             if overlong_prompts != "error":
@@ -328,45 +317,12 @@ class TokenEnv(EnvBase):
 
     def refill(self, slots: Iterable[int]) -> TensorDictBase:
         """Load the next prompts into ``slots`` (a partial reset) and return the observation of every slot."""
-        slots, handler = list(slots), self.turns
-        has_hooks = type(handler).release is not TurnHandler.release or type(handler).refilled is not TurnHandler.refilled
-        if not has_hooks:  # the usual handler: no prompt lists to build on a refill (the step path's hot spot)
-            return self._refill(slots)
-        held = [p for b in slots if (p := self._slots.prompts[b]) is not None]
-        if held:
-            handler.release(held)
-        try:
-            return self._refill(slots)
-        finally:
-            handler.refilled([p for p in self._slots.prompts if p is not None])
-
-    def _refill(self, slots: list[int]) -> TensorDictBase:
-        self._slots.copy_on_write()
-        failed = self._loader.fill(self.source, slots)
-        self._slots.is_reset = True
-        obs = self._reset_observation()
-        if failed:
-            b, err = failed[0]
-            raise PromptError(refill_failures(failed), slots=[s for s, _ in failed], observation=obs) from err
-        return obs
+        return self._loader.refill(self.source, self.turns, list(slots))
 
     def restart(self, slots: Iterable[int]) -> TensorDictBase:
         """Start the trajectories in ``slots`` over from their prompt, under a new trajectory id (their
         tokens so far are dropped: e.g. in-flight work after a weight update). Returns the observation."""
-        slots = list(slots)
-        self.turns.restart([p for b in slots if (p := self._slots.prompts[b]) is not None])
-        self._slots.copy_on_write()
-        for b in slots:
-            self._slots.done[b] = False
-            self._loader.load_one(b, self._slots.prompts[b])
-        return self._reset_observation()
-
-    def _reset_observation(self) -> TensorDictBase:
-        """The observation after a (partial) reset: done only where a slot could not be loaded."""
-        slots = self._slots
-        slots.any_done = bool(slots.done.any())
-        zeros = torch.zeros(self.batch_size[0], 1, dtype=torch.bool)
-        return slots.observation(slots.done.unsqueeze(-1).clone(), zeros, zeros.clone())
+        return self._loader.restart(self.turns, list(slots))
 
     # -- step --
     def step_and_maybe_reset(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:

@@ -65,3 +65,15 @@ class RewardTurns(TurnHandler):
                 f"(first: {turns.describe()}); the env state is unchanged, fix the reward function and step again"
             ) from err
         return check_rewards(values, turns.slots, prompts)
+
+
+def turn_handler(reward_fn, turns: TurnHandler | None) -> TurnHandler:
+    """The turn handler of an env built with ``reward_fn`` or ``turns=`` (one of them; neither: rewards of 0)."""
+    if turns is None:
+        return RewardTurns(reward_fn)
+    if reward_fn is not None:
+        raise ValueError("pass reward_fn or turns=, not both: the turn handler rewards (score inside it, or "
+                         "turns=RewardTurns(reward_fn))")  # fmt: skip
+    if not isinstance(turns, TurnHandler):
+        raise TypeError(f"turns must be a TurnHandler (tokengym.llm_envs.turns), got {type(turns).__name__}")
+    return turns
