@@ -27,15 +27,19 @@ def first_non_finite(values: torch.Tensor) -> int | None:
 
 
 def check_rewards(values, slots: list[int], prompts: list[Prompt]) -> torch.Tensor:
-    n, first = len(slots), f"slots {slots} (first: prompt {prompts[0].index} {prompts[0].text[:60]!r})"
+    n = len(slots)
+
+    def first() -> str:  # built only for an error message
+        return f"slots {slots} (first: prompt {prompts[0].index} {prompts[0].text[:60]!r})"
+
     try:
         # detached: a reward function's autograd graph must not reach the collected batch
         out = torch.as_tensor(values, dtype=torch.float32).detach().reshape(-1)
     except (TypeError, ValueError, RuntimeError) as err:
-        raise RewardFunctionError(f"reward_fn must return {n} numbers for {first}, got {values!r:.80} ({err})") from err
+        raise RewardFunctionError(f"reward_fn must return {n} numbers for {first()}, got {values!r:.80} ({err})") from err
     if out.numel() != n:
         raise RewardFunctionError(
-            f"reward_fn returned {out.numel()} values for {n} finished responses in {first}; "
+            f"reward_fn returned {out.numel()} values for {n} finished responses in {first()}; "
             "return one float per response"
         )
     bad = first_non_finite(out)

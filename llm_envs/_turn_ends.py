@@ -72,7 +72,8 @@ class TurnEnds:
                        ended: torch.Tensor) -> FinishedTurns:  # fmt: skip
         """The handler's view of the turns of ``slots`` ending at lengths ``new_len`` (``ended``: on an end id)."""
         s, tokens = self.slots.state, self.slots.tokens
-        starts, ends, all_trajs = s[keys.PROMPT_LEN].tolist(), new_len.tolist(), s[keys.TRAJ_ID].tolist()  # three reads
+        starts, ends, all_trajs = s[keys.PROMPT_LEN].tolist(), new_len.tolist(), s[keys.TRAJ_ID].tolist()  # four reads
+        is_end = ended.tolist()
         trajs = [all_trajs[b] for b in slots]
         if self.renderer is None:
             turns, final = [0] * len(slots), [True] * len(slots)
@@ -84,7 +85,7 @@ class TurnEnds:
         turn_log_probs = None if log_probs is None else (lambda b: log_probs[b, starts[b] : ends[b]].tolist())
         return FinishedTurns(slots, turns, [self.slots.prompts[b] for b in slots], [tokens[b, starts[b] : ends[b]] for b in slots],
                              final, trajs, decode=self.decode, history=lambda b: tokens[b, : ends[b]],
-                             ended=ended[slots].tolist(), log_probs=turn_log_probs)  # fmt: skip
+                             ended=[is_end[b] for b in slots], log_probs=turn_log_probs)  # fmt: skip
 
     def feedback(self, turns: FinishedTurns, results: list[Turn], new_len: torch.Tensor, *, who: str) -> dict[int, torch.Tensor]:
         """The ids to append per continuing slot: feedback given, the episode not over, and it fits."""
