@@ -66,7 +66,7 @@ class StepSource:
             raise TypeError(f"source='step' needs a policy callable on the step TensorDict; {type(policy).__name__} "
                             "only generates waves: use source='wave'")  # fmt: skip
         self.env, self.policy, self.obs = env, policy, None
-        self.is_bare = _base(env) is env and hasattr(type(env), "done_slots")
+        self.is_bare = _base(env) is env and hasattr(type(env), "ended_slots")
         self.to_refill: list[int] = []  # slots whose prompt failed to load: refilled before the next step
         self._keys = _StepKeys()
 
@@ -104,10 +104,10 @@ class StepSource:
                 raise
             out, self.obs, self.to_refill, error = err.step, err.observation, list(err.slots), err
         nxt = out.get(_NEXT)
-        if self.is_bare:  # the env's own done flags: it knows which slots ended
-            ended = self.env.done_slots
-        else:  # a transform may end slots (a step counter, say): read the flags
-            done = nxt.get(keys.DONE[1]).reshape(-1)
+        done = nxt.get(keys.DONE[1])
+        ended = self.env.ended_slots(done) if self.is_bare else None  # the env's own flags: it knows the slots
+        if ended is None:  # flags a transform (a step counter, say) or an override wrote: read them
+            done = done.reshape(-1)
             ended = done.nonzero().squeeze(-1).tolist() if bool(done.any()) else []
         if ended:
             refilled += [b for b in ended if b not in self.to_refill]

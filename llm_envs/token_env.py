@@ -344,10 +344,10 @@ class TokenEnv(EnvBase):
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         return self._core.step(tensordict, self.turns, self)
 
-    @property
-    def done_slots(self) -> list[int]:
-        """The slots whose episode ended at the last step (their ``("next", "done")``), in slot order."""
-        return self._slots.done_slots
+    def ended_slots(self, done: torch.Tensor) -> list[int] | None:
+        """The slots whose ``done`` flag is set, known without reading it when ``done`` is the ``("next", "done")``
+        tensor of this env's last step; ``None`` for any other tensor (a transform's flags: read them)."""
+        return self._slots.done_slots if self._slots.flags and done is self._slots.flags[0] else None
 
     def decode_responses(self, rows: list[torch.Tensor]) -> list[str]:
         """The text of response id rows, as ``tokenizer.batch_decode(rows, skip_special_tokens=True)`` gives it

@@ -463,7 +463,7 @@ def test_step_a_done_slot_without_reset(tokenizer):
 def test_staggered_limits_end_each_slot_at_its_own_step(tokenizer):
     """Slots refilled at different steps, with prompts of different lengths, reach the budget, the context and the
     turn limit at their own steps (the step skips the limit comparison while no slot can reach one): each trajectory
-    ends exactly when a rule says so, and ``done_slots`` names the slots whose ``("next", "done")`` is set."""
+    ends exactly when a rule says so, and ``ended_slots`` names the slots whose ``("next", "done")`` is set."""
     prompts = ["1+1=", "hello world, how", "abc", "2+2=", "a much longer prompt here", "x"]
     env = make(tokenizer, prompts, batch_size=3, max_new_tokens=7, max_length=24, max_turn_tokens=5)
     td = env.reset()
@@ -477,6 +477,7 @@ def test_staggered_limits_end_each_slot_at_its_own_step(tokenizer):
         done = step["next", "done"].reshape(-1)
         expect = (action == EOS) | (resp + 1 >= 7) | (seq + 1 >= 24) | (seq + 1 - p_len >= 5)
         assert done.tolist() == expect.tolist()
-        assert env.done_slots == done.nonzero().squeeze(-1).tolist()
+        assert env.ended_slots(step["next", "done"]) == done.nonzero().squeeze(-1).tolist()
+        assert env.ended_slots(step["next", "done"].clone()) is None  # other flags (a transform's) must be read
         ends += int(done.sum())
     assert ends > 10
