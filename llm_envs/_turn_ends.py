@@ -72,8 +72,8 @@ class TurnEnds:
                        ended: torch.Tensor) -> FinishedTurns:  # fmt: skip
         """The handler's view of the turns of ``slots`` ending at lengths ``new_len`` (``ended``: on an end id)."""
         s, tokens = self.slots.state, self.slots.tokens
-        starts, ends, all_trajs = s[keys.PROMPT_LEN].tolist(), new_len.tolist(), s[keys.TRAJ_ID].tolist()  # four reads
-        is_end = ended.tolist()
+        starts, ends, all_trajs = s[keys.PROMPT_LEN].tolist(), new_len.tolist(), s[keys.TRAJ_ID].tolist()  # three reads
+        is_end = ended.tolist()  # and the end flags, once (not indexed per slot)
         trajs = [all_trajs[b] for b in slots]
         if self.renderer is None:
             turns, final = [0] * len(slots), [True] * len(slots)

@@ -278,7 +278,8 @@ class ServerFleet:
         has_revived, sent, again = False, 0, None
         while True:
             try:  # a request whose connection was dropped goes to the same server once more
-                server, again = (again, None) if again is not None and again.is_up else (self._pick(key), None)
+                server = again if again is not None and again.is_up else self._pick(key)
+                again = None
             except NoServerError:
                 if has_revived:
                     raise
