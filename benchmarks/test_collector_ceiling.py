@@ -244,6 +244,25 @@ def test_collector_ceiling(benchmark, case, interleaved, ceiling_table):
     ceiling_table[case.name] = row
 
 
+def test_two_turn_over_single_turn(benchmark, interleaved):
+    """Tokens/CPU-s of 2-turn waves over single-turn ones (B=256, up to 1024 tokens per trajectory, instant policy,
+    6 batches per round), rounds interleaved: a 2-turn trajectory's turns come from two waves and are copied into
+    its batch, where a single-turn batch is one wave's rows as they are."""
+    torch.manual_seed(0)
+    cases = {"single": Case("wave", 256, 1024, "trajectories", batches=6),
+             "2-turn": Case("wave", 256, 1024, "trajectories", turns=2, batches=6)}  # fmt: skip
+    states: dict = {name: {} for name in cases}
+    runs = {name: _run(_collector(case), case.batches, states[name]) for name, case in cases.items()}
+    interleaved(runs, 5, benchmark)
+    cpu = {name: states[name]["cpu:collector"][1:] for name in cases}  # the warm-up call is left out
+    row = {f"tokens_per_cpu_s_{n}": statistics.median(v) for n, v in cpu.items()}
+    row["two_turn_over_single"] = statistics.median(b / a for a, b in zip(cpu["single"], cpu["2-turn"], strict=True))
+    benchmark.extra_info.update(row)
+    print(f"\n2-turn ÷ single-turn waves (B256-T1024, tokens/CPU-s, median of 5 interleaved rounds): "
+          f"single {row['tokens_per_cpu_s_single'] / 1e6:.2f}M, 2-turn {row['tokens_per_cpu_s_2-turn'] / 1e6:.2f}M, "
+          f"ratio {row['two_turn_over_single']:.3f}")
+
+
 SAMPLING_CASES = [Case("wave", 256, 1024, "trajectories"), Case("wave", 64, 256, "trajectories", batches=8),
                   Case("step", 64, 256, "trajectories", batches=2)]  # fmt: skip
 

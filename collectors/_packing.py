@@ -7,7 +7,7 @@ from tensordict import TensorDict
 
 from tokengym.llm_envs import keys
 
-__all__ = ["Packer", "Step", "chunk_width", "flat_name", "to_tensordict"]
+__all__ = ["Cells", "Packer", "Step", "chunk_width", "flat_name", "to_tensordict"]
 
 
 def flat_name(key) -> str:
@@ -43,6 +43,16 @@ class Step(dict):
     trajectory ended in the step, when the source knows them (``None``: read from the done flags)."""
 
     ended: list[int] | None = None
+
+
+class Cells(dict):
+    """A wave's real steps without padding: flat names to (n, ...) tensors, slot by slot (each slot's steps in
+    order); ``counts`` (B,) each slot's number of steps, ``starts`` each slot's first step (a list)."""
+
+    def __init__(self, tensors: dict, counts: torch.Tensor) -> None:
+        super().__init__(tensors)
+        self.counts = counts
+        self.starts = (counts.cumsum(0) - counts).tolist()
 
 
 def chunk_width(chunk: dict) -> int:

@@ -6,22 +6,33 @@ from __future__ import annotations
 
 import torch
 
-from tokengym.collectors._packing import Packer, flat_name
+from tokengym.collectors._packing import F_ACTIVE, F_DONE, F_GROUP, F_RESP, F_TRAJ, Cells, Packer, flat_name
 from tokengym.llm_envs import keys
 
-__all__ = ["Chain", "Segment", "assemble", "give_parts_their_reward", "open_rows"]
+__all__ = ["Chain", "Segment", "assemble", "give_parts_their_reward", "open_rows", "wave_rows"]
 
 F_REWARD = flat_name(keys.REWARD)
 
 
 class Segment:
     """Where finished trajectories' steps are: a wave's own (B, Tn, ...) tensors by flat name (``is_packed``
-    False; zero past each row's end), or the recorder's packed row store (dtype -> (R, T_max, n))."""
+    False; zero past each row's end), a wave's real steps (n, ...) by flat name (``starts``: each row's first
+    step, see :class:`~tokengym.collectors._packing.Cells`), or the recorder's packed row store
+    (dtype -> (R, T_max, n))."""
 
-    __slots__ = ("tensors", "is_packed")
+    __slots__ = ("tensors", "is_packed", "starts")
 
-    def __init__(self, tensors: dict, *, is_packed: bool = False) -> None:
-        self.tensors, self.is_packed = tensors, is_packed
+    def __init__(self, tensors: dict, *, is_packed: bool = False, starts: list[int] | None = None) -> None:
+        self.tensors, self.is_packed, self.starts = tensors, is_packed, starts
+
+    def offset(self, row: int) -> int:
+        """Where row ``row``'s first step is in the flattened (unpacked) tensors, in steps."""
+        return self.starts[row] if self.starts is not None else row * next(iter(self.tensors.values())).shape[1]
+
+    @property
+    def lead(self) -> int:
+        """Leading dims of the tensors before each step's own shape: 1 for real steps, 2 for rows."""
+        return 1 if self.starts is not None else 2
 
 
 class Chain:
@@ -37,6 +48,24 @@ class Chain:
     @property
     def tensors(self) -> dict:
         return self.pieces[0][0].tensors
+
+
+def wave_rows(chunk: dict) -> tuple[Segment, dict]:
+    """A wave's segment and, per slot (B,): ``live`` (in the wave), ``counts`` (its steps), ``ends`` (its trajectory
+    ends in the wave) and its first step's response length, group, trajectory and sample ids (by flat name; any
+    value for a slot not live). ``chunk``: the wave's (B, Tn, ...) tensors, or its real steps (:class:`Cells`)."""
+    names = (F_RESP, F_GROUP, F_TRAJ, keys.SAMPLE_ID)
+    if isinstance(chunk, Cells):
+        counts, done = chunk.counts, chunk[F_DONE].reshape(-1)
+        first = torch.tensor(chunk.starts).clamp(max=len(done) - 1)  # a slot without steps: any step, not read
+        out = {name: chunk[name].index_select(0, first) for name in names}
+        live = counts > 0
+        out.update(live=live, counts=counts, ends=live & done.index_select(0, (first + counts - 1).clamp(min=0)))
+        return Segment(chunk, starts=chunk.starts), out
+    active = chunk[F_ACTIVE]  # (B, Tn): zero past each row's end
+    out = {name: chunk[name][:, 0] for name in names}
+    out.update(live=active[:, 0], counts=active.sum(1), ends=chunk[F_DONE].reshape(active.shape).any(1))
+    return Segment(chunk), out
 
 
 def assemble(take: list[tuple], width: int, mask: torch.Tensor, packer: Packer) -> dict:
@@ -60,11 +89,11 @@ def assemble(take: list[tuple], width: int, mask: torch.Tensor, packer: Packer) 
         for piece, row, steps in seg.pieces if isinstance(seg, Chain) else ((seg, e[1], e[2]),):
             steps = min(steps, end - offset)  # a batch cut shorter than the trajectory keeps its first steps
             at = cells.setdefault(id(piece), (piece, [], [], []))
-            at[1].append(row * next(iter(piece.tensors.values())).shape[1])
+            at[1].append(piece.offset(row))
             at[2].append(offset)
             at[3].append(steps)
             offset += steps
-    if not stored and len(cells) == 1:
+    if not stored and len(cells) == 1 and next(iter(cells.values()))[0].starts is None:
         seg, sources, _, _ = next(iter(cells.values()))
         B, Tn = next(iter(seg.tensors.values())).shape[:2]
         if B == len(take) and Tn >= width and sources == list(range(0, B * Tn, Tn)):
@@ -74,8 +103,9 @@ def assemble(take: list[tuple], width: int, mask: torch.Tensor, packer: Packer) 
               for seg, where, rows in stored.values()]  # fmt: skip
     if is_alone:  # the batch is rows of the store
         return {name: v if v.shape[1] == width else _pad(v, width) for name, v in pieces[0][1].items()}
-    names = pieces[0][1] if pieces else next(iter(cells.values()))[0].tensors  # each name's dtype, trailing shape
-    out = {name: first.new_zeros(len(take), width, *first.shape[2:]) for name, first in names.items()}
+    model = next(iter(cells.values()))[0] if not pieces else None  # each name's dtype and trailing shape
+    names, lead = (pieces[0][1], 2) if model is None else (model.tensors, model.lead)
+    out = {name: first.new_zeros(len(take), width, *first.shape[lead:]) for name, first in names.items()}
     for where, flat in pieces:
         rows = torch.tensor(where, dtype=torch.int64)
         for name, src in flat.items():

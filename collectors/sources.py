@@ -11,8 +11,8 @@ from enum import StrEnum
 import torch
 from tensordict import TensorDict
 
+from tokengym.collectors._packing import Cells, Step, flat_name
 from tokengym.collectors.policies.protocol import StepPolicy, WavePolicy, supports_steps, supports_waves
-from tokengym.collectors.recorders import Step, flat_name
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.errors import PromptError
 
@@ -146,6 +146,7 @@ class WaveSource:
             raise TypeError("source='wave' needs a bare TokenEnv (env transforms run per step); use source='step'")
         self.env, self.policy, self.done = env, policy, None
         self.width: int | None = None  # pad waves to this many steps (a recorder's fixed batch width)
+        self.cells = False  # give waves as their real steps (Cells): a recorder of trajectories that go on across waves
         self.last_steps = 0  # env steps of the last wave (without the padding)
 
     def start(self) -> tuple[list[int], PromptError | None]:
@@ -173,11 +174,19 @@ class WaveSource:
         if len(request) == 0:
             self.done = torch.zeros_like(self.done)
             return {}, refilled, None
-        steps = self.env.unroll(request, self.policy.generate(request), width=self.width)
-        self.last_steps = max(int(steps.get(keys.ACTIVE).any(0).sum()), 1) if self.width else steps.shape[1]
-        nxt = steps.get(_NEXT)
-        self.done = nxt.get(keys.DONE[1]).squeeze(-1).any(1)
-        out = {flat_name(k): v for k, v in steps.items(include_nested=True, leaves_only=True)}
+        if self.cells:
+            steps, counts = self.env.unroll_cells(request, self.policy.generate(request))
+            self.last_steps = max(int(counts.max()), 1)
+            live = (counts > 0).nonzero().squeeze(-1)
+            done = steps.get(_NEXT).get(keys.DONE[1]).reshape(-1)
+            self.done = torch.zeros_like(self.done)
+            self.done[live] = done[counts.cumsum(0).index_select(0, live) - 1]  # each slot's last step
+            out = Cells({flat_name(k): v for k, v in steps.items(include_nested=True, leaves_only=True)}, counts)
+        else:
+            steps = self.env.unroll(request, self.policy.generate(request), width=self.width)
+            self.last_steps = max(int(steps.get(keys.ACTIVE).any(0).sum()), 1) if self.width else steps.shape[1]
+            self.done = steps.get(_NEXT).get(keys.DONE[1]).squeeze(-1).any(1)
+            out = {flat_name(k): v for k, v in steps.items(include_nested=True, leaves_only=True)}
         for name in _NEXT_SKIP:
             out.pop(f"{_NEXT}.{name}", None)
         return out, refilled, None

@@ -179,6 +179,8 @@ class TokenCollector(CollectorBase):
         if chunk:
             self.steps_done += 1 if isinstance(chunk, Step) else getattr(self.source, "last_steps", 0) or next(iter(chunk.values())).shape[1]
             self.pending = self.recorder.write(chunk)
+            if getattr(self.recorder, "continues_turns", False) and hasattr(self.source, "cells"):
+                self.source.cells = True  # a batch copies waves' steps anyway: they come without padding
         self._count_failed(error)
         if self.counters["failed_prompts"]:
             self._drop_orphans()

@@ -18,7 +18,14 @@ from tokengym.collectors._packing import (
     flat_name,
     to_tensordict,
 )
-from tokengym.collectors._segments import Chain, Segment, assemble, give_parts_their_reward, open_rows
+from tokengym.collectors._segments import (
+    Chain,
+    Segment,
+    assemble,
+    give_parts_their_reward,
+    open_rows,
+    wave_rows,
+)
 from tokengym.collectors._step_chunks import DeferredSteps, segment_rows
 from tokengym.collectors.dynamic_sampling import DynamicSampling, SpreadFilter
 from tokengym.llm_envs import keys
@@ -96,27 +103,30 @@ class TrajectoryRecorder:
                 self.flush()
             return None
         self.flush()
-        active = chunk[F_ACTIVE]  # (B, k)
-        done = chunk[F_DONE].reshape(active.shape)
-        first, resp = active[:, 0], chunk[F_RESP][:, 0]
-        starts, ends = first & (resp == 0), done.any(1)
+        seg, wave = wave_rows(chunk)
+        first, counts, ends = wave["live"], wave["counts"], wave["ends"]
+        starts = first & (wave[F_RESP] == 0)
         whole = starts & ends  # the wave holds the whole trajectory
-        seg = Segment(chunk)
         if self.open is None:
-            self.open, self._slots = {}, active.shape[0]
+            self.open, self._slots = {}, first.shape[0]
         if not bool(whole.all()) and bool((first & ~whole).any()):
-            self._write_pieces(seg, chunk, (first & ~whole).nonzero().squeeze(-1), starts, ends, active)
+            self._write_pieces(seg, wave, (first & ~whole).nonzero().squeeze(-1), starts)
         if bool(whole.any()):
             rows = whole.nonzero().squeeze(-1)
-            lengths = chunk[F_RESP][rows].gather(1, done[rows].int().argmax(1, keepdim=True)).squeeze(1) + 1
-            self._finish([seg] * len(rows), rows, lengths, chunk[F_GROUP][rows, 0], chunk[F_TRAJ][rows, 0],
-                         chunk[F_SAMPLE][rows, 0])  # fmt: skip
+            self._finish([seg] * len(rows), rows, counts[rows], wave[F_GROUP][rows], wave[F_TRAJ][rows],
+                         wave[F_SAMPLE][rows])  # fmt: skip
 
-    def _write_pieces(self, seg: Segment, chunk: dict, rows: torch.Tensor, starts, ends, active) -> None:
+    @property
+    def continues_turns(self) -> bool:
+        """Whether trajectories went on across waves (then waves are best given as their real steps, see
+        :class:`~tokengym.collectors._packing.Cells`: a batch copies them anyway)."""
+        return bool(self.open)
+
+    def _write_pieces(self, seg: Segment, wave: dict, rows: torch.Tensor, starts) -> None:
         """Keep the wave rows ``rows`` of trajectories going on across waves as pieces of their slots' chains (by
-        reference); queue the chains that end."""
-        steps, resp = active[rows].sum(1).tolist(), chunk[F_RESP][rows, 0].tolist()
-        is_start, is_end = starts[rows].tolist(), ends[rows].tolist()
+        reference); queue the chains that end (``wave``: per slot, see :func:`wave_rows`)."""
+        steps, resp = wave["counts"][rows].tolist(), wave[F_RESP][rows].tolist()
+        is_start, is_end = starts[rows].tolist(), wave["ends"][rows].tolist()
         finished = []
         for slot, n, before, start, end in zip(rows.tolist(), steps, resp, is_start, is_end, strict=True):
             if start:
@@ -129,7 +139,7 @@ class TrajectoryRecorder:
         if finished:
             index = torch.tensor([f[0] for f in finished])
             self._finish([f[1] for f in finished], index, torch.tensor([f[2] for f in finished]),
-                         chunk[F_GROUP][index, 0], chunk[F_TRAJ][index, 0], chunk[F_SAMPLE][index, 0])  # fmt: skip
+                         wave[F_GROUP][index], wave[F_TRAJ][index], wave[F_SAMPLE][index])  # fmt: skip
 
     def _take_rows(self, n: int) -> torch.Tensor:
         """``n`` free rows of the store (it doubles when none are left)."""
@@ -254,6 +264,10 @@ class TrajectoryRecorder:
                 self._score_column = self._packer.column(self._score_name)
             dtype, column = self._score_column
             rewards = seg.tensors[dtype][:, :, column]  # (R, T_max): older steps past each end are not summed
+        elif seg.starts is not None:  # a wave's real steps: each row's run of them
+            rewards = seg.tensors[self._score_name].reshape(-1)
+            return [float(rewards[seg.starts[r] : seg.starts[r] + n].sum(dtype=torch.float64))
+                    for r, n in zip(rows.tolist(), lengths.tolist(), strict=True)]  # fmt: skip
         else:
             rewards = seg.tensors[self._score_name]
             rewards = rewards.reshape(rewards.shape[0], rewards.shape[1])  # (B, Tn), a view

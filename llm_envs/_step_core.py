@@ -172,8 +172,9 @@ class StepCore:
                            eos_token_ids=tuple(sorted(eos_token_ids)), stop_strings=stop_strings)  # fmt: skip
 
     def unroll(self, request: WaveRequest, result: WaveResult, handler: TurnHandler, limits: Limits,
-               width: int | None) -> TensorDict:  # fmt: skip
-        """The steps (B, T) of ``result``'s tokens (see ``TokenEnv.unroll``)."""
+               width: int | None, *, cells: bool = False) -> TensorDict | tuple[TensorDict, torch.Tensor]:  # fmt: skip
+        """The steps (B, T) of ``result``'s tokens (see ``TokenEnv.unroll``); with ``cells``, its real steps (n,) and
+        each slot's step count (see ``TokenEnv.unroll_cells``)."""
         rt = self.slots
         if not rt.is_reset:
             raise ResetNeeded("TokenEnv.unroll before reset(); call env.reset() first")
@@ -193,4 +194,4 @@ class StepCore:
         rt.copy_on_write()
         rt.commit(steps.last_action, steps.in_wave, steps.new_len, steps.resp_len, done, any_done=bool(done.any()))
         self.turn_ends.continue_turns(end.appended, steps.new_len)
-        return steps.to_tensordict(end, rt.state, width)
+        return steps.to_cells(end, rt.state) if cells else steps.to_tensordict(end, rt.state, width)

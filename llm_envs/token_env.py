@@ -378,6 +378,14 @@ class TokenEnv(EnvBase):
         """
         return self._core.unroll(request, result, self.turns, self, width)
 
+    def unroll_cells(self, request: WaveRequest, result: WaveResult) -> tuple[TensorDictBase, torch.Tensor]:
+        """:meth:`unroll` without the padding: ``(steps, counts)``, the wave's real steps as a TensorDict (n,), slot
+        by slot (each slot's steps in order), and each slot's number of steps (B,) (0 for slots outside the
+        request). ``steps`` equals ``unroll(...)[unroll(...)["active"]]`` key for key; it is built over the real
+        steps only, so a wave of turns of very different lengths costs what its tokens cost (a collector of
+        multi-turn trajectories asks for it)."""
+        return self._core.unroll(request, result, self.turns, self, None, cells=True)
+
     def close(self, *, raise_if_closed: bool = True) -> None:
         """Close the env and its turn handler (external episodes ended, sessions closed)."""
         self.turns.close()

@@ -127,6 +127,49 @@ class WaveSteps:
             out[keys.RAW_LOG_PROB] = self.raw_log_probs[:, :Tn] * valid
         return TensorDict._new_unsafe(out, torch.Size([B, Tn]))
 
+    def to_cells(self, end: TurnEnd, after: dict) -> tuple[TensorDict, torch.Tensor]:
+        """The steps of :meth:`to_tensordict` without its padding: a TensorDict (n,) of the wave's real steps, slot
+        by slot (each slot's in order), and each slot's number of steps (B,) (0 outside the wave). Built over
+        those steps only: a wave whose rows are mostly padding (turns of different lengths) costs what its tokens
+        cost."""
+        s0, (B, T) = self.start, self.actions.shape
+        steps = torch.where(self.in_wave, self.end + 1, 0)
+        n = int(steps.sum())
+        slot = torch.repeat_interleave(torch.arange(B), steps)  # each step's slot
+        first = steps.cumsum(0) - steps  # each slot's first step
+        t = torch.arange(n) - first.index_select(0, slot)
+        at = slot * T + t
+        actions = self.actions.reshape(-1)
+        acts = actions.index_select(0, at)
+        previous = actions.index_select(0, (at - 1).clamp(min=0))
+        seq = s0[keys.SEQ_LEN].index_select(0, slot) + t
+        resp = s0[keys.RESPONSE_LEN].index_select(0, slot) + t
+        token = torch.where(t == 0, s0[keys.TOKEN].index_select(0, slot), previous)
+        fixed = {k: s0[k].index_select(0, slot) for k in _FIXED}
+        live = torch.ones(n, dtype=torch.bool)
+        obs = {keys.TOKEN: token, keys.SEQ_LEN: seq, keys.RESPONSE_LEN: resp, keys.ACTIVE: live, **fixed}
+        nxt = {keys.TOKEN: acts, keys.SEQ_LEN: seq + 1, keys.RESPONSE_LEN: resp + 1, keys.ACTIVE: live.clone(),
+               keys.TRAJ_ID: fixed[keys.TRAJ_ID], keys.GROUP_ID: fixed[keys.GROUP_ID], keys.SAMPLE_ID: fixed[keys.SAMPLE_ID],
+               keys.PROMPT_LEN: fixed[keys.PROMPT_LEN].clone(), keys.TURN: fixed[keys.TURN].clone()}  # fmt: skip
+        last = first + steps - 1  # each slot's last step (in the wave)
+        if end.appended:  # a continuing turn: the last step's next observation is the next turn's start
+            rows = torch.tensor(sorted(end.appended))
+            nxt[keys.TOKEN] = nxt[keys.TOKEN].clone()  # not the actions' tensor
+            for key in _AFTER_TURN:
+                nxt[key][last[rows]] = after[key][rows]
+        rows = self.in_wave.nonzero().squeeze(-1)
+        ends = last.index_select(0, rows)
+        reward = torch.zeros(n, 1)
+        reward[ends] = end.reward.index_select(0, rows)[:, :1]
+        term, trunc = torch.zeros(n, 1, dtype=torch.bool), torch.zeros(n, 1, dtype=torch.bool)
+        term[ends, 0], trunc[ends, 0] = end.terminated.index_select(0, rows), end.truncated.index_select(0, rows)
+        nxt.update(reward=reward, done=term | trunc, terminated=term, truncated=trunc)
+        out = {**obs, keys.ACTION: acts, keys.ACTION_LOG_PROB: self.log_probs.reshape(-1).index_select(0, at),
+               keys.POLICY_VERSION: torch.full((n,), self.version), keys.NEXT: TensorDict._new_unsafe(nxt, torch.Size([n]))}  # fmt: skip
+        if self.raw_log_probs is not None:
+            out[keys.RAW_LOG_PROB] = self.raw_log_probs.reshape(-1).index_select(0, at)
+        return TensorDict._new_unsafe(out, torch.Size([n])), steps
+
 
 def is_any(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``torch.isin(values, ids)``; a few comparisons are several times faster for the usual 1-3 EOS ids."""

@@ -87,6 +87,20 @@ def test_multi_turn_wave_batches_equal_stepped_batches():
     _assert_same_trajectories(_batches(_collector("step"), 6), waves)
 
 
+def test_waves_come_as_their_real_steps_once_trajectories_go_on_across_them():
+    """Multi-turn: the source switches to ``unroll_cells`` (a batch copies chained steps anyway); single-turn: waves
+    stay padded (a batch that is one wave's rows is those tensors, not a copy)."""
+    multi = _collector("wave")
+    assert not multi.source.cells
+    _batches(multi, 2)
+    assert multi.source.cells
+    env = TokenEnv(PromptSource(PROMPTS, TOK), TOK, lambda r, p, m: [0.0] * len(r), batch_size=3, max_new_tokens=20,
+                   max_length=128)  # fmt: skip
+    single = TokenCollector(env, SampledPolicy(env, p_end=3), mode="trajectories", batch_size=3, source="wave")
+    _batches(single, 3)
+    assert not single.source.cells
+
+
 def test_a_checkpoint_with_open_chains_resumes_exactly_twice():
     straight = _batches(_collector("wave", batch_size=1), 40)
     first = _collector("wave", batch_size=1)

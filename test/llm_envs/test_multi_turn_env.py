@@ -3,7 +3,7 @@ import torch
 
 from tokengym.collectors import TokenCollector
 from tokengym.errors import RewardFunctionError
-from tokengym.llm_envs import check_env, keys
+from tokengym.llm_envs import PromptSource, check_env, keys
 from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
 from tokengym.llm_envs.tasks import WRONG_FEEDBACK, MultiTurnMathFeedback, make_multi_turn_math_env
 from tokengym.transforms import ScaleReward, TurnDiscount, decode, to_padded
@@ -316,3 +316,44 @@ def test_single_turn_limit_truncates(tokenizer):
     assert bool(last[keys.TRUNCATED]) and env.config()["max_turn_tokens"] == 3
     with pytest.raises(ValueError, match="max_turn_tokens"):
         TokenEnv(["1+1="], tokenizer, batch_size=1, max_turn_tokens=0, max_length=64)
+
+
+def _stop_or_again(responses, prompts, metadata, turns):
+    """A reward per turn; a response with a 4 in it ends the episode, others get feedback."""
+    return [Turn(float(len(r)), None if "4" in r else "again") for r in responses]
+
+
+def test_unroll_cells_equals_the_padded_unroll_at_its_real_steps(tokenizer):
+    """Waves of 3-turn episodes in slots that fall out of step (one prompt fails to fit, EOS in some rows, idle
+    slots at the end of the source): every key of ``unroll_cells`` equals ``unroll``'s at its real steps, in slot
+    order, and both envs stay equal."""
+    from tokengym.llm_envs.waves import WaveResult
+
+    prompts = [f"{a}+{a}=" for a in range(10)]
+    envs = [MultiTurnTokenEnv(PromptSource(prompts, tokenizer, epochs=1), tokenizer, _stop_or_again, max_turns=3,
+                              batch_size=4, max_new_tokens=24, max_turn_tokens=9, max_length=96) for _ in range(2)]  # fmt: skip
+    for env in envs:
+        env.reset()
+    gen, four, eos = torch.Generator().manual_seed(0), _ids(tokenizer, "4")[0], tokenizer.eos_token_id
+    waves = 0
+    while len(request := envs[0].wave_request()):
+        assert torch.equal(request.slots, envs[1].wave_request().slots)
+        n, T = len(request), int(request.max_new_tokens.max())
+        actions = torch.randint(20, 40, (n, T), generator=gen)
+        actions[0, 1], actions[-1, 0] = four, eos  # an episode that ends, a turn ended by EOS
+        lengths = torch.minimum(torch.randint(1, T + 1, (n,), generator=gen), request.max_new_tokens)
+        result = WaveResult(actions, lengths, -torch.rand(n, T, generator=gen), raw_log_probs=-torch.rand(n, T, generator=gen))
+        padded = envs[0].unroll(request, result)
+        cells, counts = envs[1].unroll_cells(request, result)
+        real = padded[keys.ACTIVE]
+        assert torch.equal(counts, real.sum(1)) and cells.batch_size == (int(real.sum()),)
+        assert set(cells.keys(True, True)) == set(padded.keys(True, True))
+        for key in padded.keys(True, True):
+            assert torch.equal(cells[key], padded[key][real]), key
+        assert torch.equal(envs[0].tokens, envs[1].tokens)
+        done = padded["next", "done"].squeeze(-1).any(1).nonzero().squeeze(-1).tolist()
+        for env in envs:
+            if done:
+                env.refill(done)
+        waves += 1
+    assert waves >= 4
