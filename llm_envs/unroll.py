@@ -196,38 +196,63 @@ def unroll_wave(wave: WaveSteps, state: dict, tokens: torch.Tensor, rules: dict)
     (or ``None``). Fills ``wave.end`` (index of each slot's last step), the ``ended`` / ``limited`` / ``cut``
     (the turn's limit, not the trajectory's) flags at that step,
     the lengths after it and what :meth:`WaveSteps.rollback` needs.
+
+    Each limit is a step index per row (where the budget, the context, the turn's limit or the backend's length is
+    reached), so only the end ids are searched over the whole (B, T) wave; without stop strings only the tokens up to
+    each row's end are written (with them, every real token first: a stop string is decoded from the buffer).
     """
     B, T = wave.actions.shape
     in_wave, actions = wave.in_wave, wave.actions
     seq0, resp0, p_len = state[keys.SEQ_LEN], state[keys.RESPONSE_LEN], state[keys.PROMPT_LEN]
-    t = torch.arange(T)
-    pos = seq0[:, None] + t  # (B, T) where each action is written
-    real = in_wave[:, None] & (t < wave.lengths[:, None]) & (pos < rules["max_length"])
-    r, c = real.nonzero(as_tuple=True)  # once: the boolean mask is not resolved again per use
-    p = pos[r, c]
-    wave.written = (r, p, tokens[r, p])  # advanced indexing copies: the previous entries, for a rollback
-    tokens[r, p] = actions[r, c]
-    terminated = real & is_any(actions, rules["eos"])
+    room = torch.minimum(wave.lengths, rules["max_length"] - seq0)  # real steps: t < room (the context's end)
+    is_end_id = is_any(actions, rules["eos"])
+    first_end = _first_true(is_end_id)  # the first end id, or T
     stop = rules["stop"]
     if stop.is_enabled:
+        t = torch.arange(T)
+        pos = seq0[:, None] + t  # (B, T) where each action is written
+        real = in_wave[:, None] & (t < room[:, None])
+        r, c = real.nonzero(as_tuple=True)  # once: the boolean mask is not resolved again per use
+        _write(wave, tokens, r, c, seq0)
+        terminated = real & is_end_id
         for j in range(T):  # only tokens that could complete a stop string are decoded
             cand = real[:, j] & ~terminated[:, j]
             if bool(cand.any()):
                 terminated[:, j] |= stop.hits(tokens, actions[:, j], cand, p_len, pos[:, j] + 1)
-    budget = ((resp0[:, None] + t + 1) >= rules["max_new_tokens"]) | (pos + 1 >= rules["max_length"])
-    cut = torch.zeros_like(budget)
-    if rules.get("max_turn_tokens") is not None:  # the turn's own limit: the turn ends, the episode may go on
-        cut = (pos + 1 - p_len[:, None] >= rules["max_turn_tokens"]) & ~budget
-    stopped = (t + 1 >= wave.lengths[:, None]) & ~cut  # the backend stopped: truncated unless the env ended the turn
-    end = _first_true(terminated | ((budget | cut | stopped) & real)).clamp(max=T - 1)
-    idx = torch.arange(B)
+        first_end = _first_true(terminated)
+    first_end = torch.where(first_end < room, first_end, T)  # an end id past the real tokens does not count
+    # the step at which each limit is reached: the trajectory's budget or the context, the turn's own limit (the turn
+    # ends, the episode may go on), the backend's length (truncated unless the env ended the turn)
+    budget_at = torch.minimum(rules["max_new_tokens"] - resp0, rules["max_length"] - seq0) - 1
+    end = torch.minimum(torch.minimum(first_end, budget_at), wave.lengths - 1)
+    cut_at = None
+    if rules.get("max_turn_tokens") is not None:
+        cut_at = p_len + rules["max_turn_tokens"] - seq0 - 1
+        end = torch.minimum(end, cut_at)
+    end = end.clamp(min=0, max=T - 1)
     wave.end = torch.where(in_wave, end, torch.zeros_like(end))
-    wave.ended = in_wave & terminated[idx, wave.end]
-    wave.cut = in_wave & ~wave.ended & cut[idx, wave.end]
+    wave.ended = in_wave & (first_end == wave.end)
+    at_budget = wave.end >= budget_at
+    wave.cut = in_wave & ~wave.ended & ~at_budget if cut_at is not None else torch.zeros_like(in_wave)
+    if cut_at is not None:
+        wave.cut &= wave.end >= cut_at
     # as stepping has it: the budget flag stands even where EOS came on the last token (the episode cannot go on)
-    wave.limited = in_wave & (budget[idx, wave.end] | (~wave.ended & ~wave.cut))
+    wave.limited = in_wave & (at_budget | (~wave.ended & ~wave.cut))
     wave.new_len = torch.where(in_wave, seq0 + wave.end + 1, seq0)
     wave.resp_len = torch.where(in_wave, resp0 + wave.end + 1, resp0)
+    idx = torch.arange(B)
     wave.last_action = torch.where(in_wave, actions[idx, wave.end], state[keys.TOKEN])
+    if not stop.is_enabled:  # the tokens up to each row's end, and no further
+        steps = torch.where(in_wave, wave.end + 1, 0)
+        r = torch.repeat_interleave(idx, steps)
+        c = torch.arange(len(r)) - (steps.cumsum(0) - steps).index_select(0, r)
+        _write(wave, tokens, r, c, seq0)
     wave.start = dict(state)
     return wave
+
+
+def _write(wave: WaveSteps, tokens: torch.Tensor, r: torch.Tensor, c: torch.Tensor, seq0: torch.Tensor) -> None:
+    """Write the wave's actions at (row ``r``, step ``c``) into ``tokens``, keeping what they overwrite (a rollback)."""
+    p = seq0.index_select(0, r) + c
+    wave.written = (r, p, tokens[r, p])  # advanced indexing copies: the previous entries
+    tokens[r, p] = wave.actions[r, c]
