@@ -160,14 +160,14 @@ class TrajectoryRecorder:
             self._write_step_chunk(chunk)
 
     def _could_fill(self, finished: dict[int, int]) -> bool:
-        """Whether trajectories finished in kept steps (counts by group) may complete a batch once written."""
-        if self.sampling is not None:  # its draw bound is checked between steps on the ready groups: keep them exact
-            return True
+        """Whether trajectories finished in kept steps (counts by group) may complete a batch once written; with
+        dynamic sampling, whether they may complete a group (a group is judged, and counted against the draw bound
+        checked between steps, when it completes: the counts stay exact)."""
         ready, g = len(self.ready) - self.ready_parts, self.group_size
         if g == 1:
             return ready + sum(finished.values()) >= self.batch_size
         complete = sum(g for group, n in finished.items() if n + len(self.waiting.get(group, ())) >= g)
-        return ready + complete >= self.batch_size
+        return complete > 0 if self.sampling is not None else ready + complete >= self.batch_size
 
     def _write_step_chunk(self, chunk: dict) -> None:
         """Write consecutive steps (B, k, ...) of the step source: a slot may end a trajectory and start the next
@@ -339,8 +339,7 @@ class TrajectoryRecorder:
     def check_draws(self) -> None:
         """With dynamic sampling, raise :class:`~tokengym.errors.DynamicSamplingError` once the draw bound is
         reached before the batch is full (call it between source advances)."""
-        if self.sampling is not None:
-            self.flush()
+        if self.sampling is not None:  # no flush: steps are kept only while no group they finish can complete
             self.sampling.check_bound(len(self.ready) // self.group_size)
 
     @property
