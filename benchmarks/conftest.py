@@ -133,16 +133,19 @@ def _ceiling_table(write) -> None:
           "a loaded machine preempt the first, not the second), median of 3 interleaved rounds; floor: for waves, the "
           "same waves as (N, T) action / log-prob / mask / done tensors by a few torch ops; for steps, per env step "
           "B sampled tokens written into preallocated (B, T) storage, ended slots marked and their counters reset; "
-          "in the same rounds. collector ÷ floor is a ratio of tokens/s (1 = the floor's speed).")  # fmt: skip
+          "in the same rounds. collector ÷ floor is a ratio of tokens/s (1 = the floor's speed). Step cases: the step "
+          "contract alone (observation and next TensorDicts, the policy's three keys, every recorded key written 32 "
+          "steps at a time; no env logic), in floors of cost.")  # fmt: skip
     write("| case | tokens/s (wall) | tokens/CPU-s | µs/token (CPU) | µs/env step (CPU) | decoding share | "
-          "floor tokens/CPU-s | collector ÷ floor (wall) |")  # fmt: skip
-    write("|---|---|---|---|---|---|---|---|")
+          "floor tokens/CPU-s | collector ÷ floor (wall) | step contract alone (x floor) |")  # fmt: skip
+    write("|---|---|---|---|---|---|---|---|---|")
     for name, r in _CEILING.items():
         step = f"{r['us_per_env_step_cpu']:.0f}" if "us_per_env_step_cpu" in r else "-"
         floor = f"{r['floor_tokens_per_cpu_s'] / 1e6:.1f}M" if "floor_tokens_per_cpu_s" in r else "-"
         ratio = f"{r['collector_over_floor']:.3f}" if "collector_over_floor" in r else "-"
+        contract = f"{r['contract_cost_in_floors']:.2f}" if "contract_cost_in_floors" in r else "-"
         write(f"| {name} | {r['tokens_per_s'] / 1e6:.2f}M | {r['tokens_per_cpu_s'] / 1e6:.2f}M | "
-              f"{r['us_per_token_cpu']:.3f} | {step} | {r['decode_share']:.0%} | {floor} | {ratio} |")
+              f"{r['us_per_token_cpu']:.3f} | {step} | {r['decode_share']:.0%} | {floor} | {ratio} | {contract} |")
 
 
 def _interleaved(runs: dict, rounds: int, benchmark) -> dict[str, list[float]]:

@@ -23,6 +23,7 @@ import time
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from tokengym.collectors import CollectorOptions, DynamicSampling, TokenCollector
 from tokengym.llm_envs import PromptSource, TokenEnv, keys
@@ -179,6 +180,46 @@ def _step_floor(case: Case, state: dict):
     return _cpu_timed(run, state, "cpu:floor")
 
 
+def _step_contract(case: Case, state: dict):
+    """What the step contract alone costs, with no env logic: per env step, the observation TensorDict of the slots'
+    state, the instant policy's sampling and its three keys written into it, a ``("next", ...)`` TensorDict of the
+    step's keys, and every recorded key (21) kept and written into preallocated (B, T) storage 32 steps at a time
+    (one stack and one copy per key), as a chunked recorder does at best."""
+    tok = tiny_tokenizer()
+    first = max(tok.all_special_ids) + 1
+    policy = InstantPolicy(len(tok), first, p_end=1.0 / (case.max_new_tokens / 2), seed=0)
+    B, T = case.B, case.max_new_tokens
+    policy.eos = tok.eos_token_id  # the same sampling as the collector's policy
+    obs = {k: torch.zeros(B, dtype=torch.bool if k == keys.ACTIVE else torch.int64)
+           for k in (keys.TOKEN, keys.SEQ_LEN, keys.RESPONSE_LEN, keys.ACTIVE, keys.PROMPT_LEN, keys.TRAJ_ID,
+                     keys.GROUP_ID, keys.SAMPLE_ID, keys.TURN)}  # fmt: skip
+    flags = ("reward", "done", "terminated", "truncated")
+    nxt_keys = (keys.TOKEN, keys.SEQ_LEN, keys.RESPONSE_LEN, keys.PROMPT_LEN, keys.TURN)
+    kept: list[dict] = []
+    storage: dict = {}
+    steps, chunk = 200, 32
+
+    def run() -> int:
+        for _ in range(steps):
+            td = TensorDict._new_unsafe(dict(obs), torch.Size([B]))
+            policy(td)  # sampling, three keys set
+            nxt = TensorDict._new_unsafe({**{k: obs[k] for k in nxt_keys}, "reward": torch.zeros(B, 1),
+                                          **{f: torch.zeros(B, 1, dtype=torch.bool) for f in flags[1:]}}, torch.Size([B]))  # fmt: skip
+            td.set(keys.NEXT, nxt)
+            kept.append({**dict(td.items()), **{f"next.{k}": v for k, v in nxt.items()}})
+            if len(kept) == chunk:
+                for name, v in kept[0].items():
+                    if not isinstance(v, torch.Tensor):
+                        continue
+                    if name not in storage:
+                        storage[name] = v.new_zeros(B, T, *v.shape[1:])
+                    storage[name][:, :chunk] = torch.stack([k[name] for k in kept], 1)
+                kept.clear()
+        return steps * B
+
+    return _cpu_timed(run, state, "cpu:contract")
+
+
 def _cpu_timed(run, state: dict, name: str):
     """``run`` that also records its tokens per second of this process's CPU time (a loaded machine's other
     jobs preempt the wall clock, not this)."""
@@ -226,6 +267,8 @@ def test_collector_ceiling(benchmark, case, interleaved, ceiling_table):
     state: dict = {}
     runs = {"collector": _run(collector, case.batches, state)}
     runs["floor"] = _floor(case, state) if case.source == "wave" else _step_floor(case, state)
+    if case.source == "step":
+        runs["contract"] = _step_contract(case, state)
     rates = interleaved(runs, 3, benchmark)
     med = {n: statistics.median(v) for n, v in rates.items()}
     per_token = 1e6 / med["collector"]
@@ -240,25 +283,27 @@ def test_collector_ceiling(benchmark, case, interleaved, ceiling_table):
         row["floor_tokens_per_s"] = med["floor"]
         row["floor_tokens_per_cpu_s"] = statistics.median(state["cpu:floor"][1:])
         row["collector_over_floor"] = statistics.median(a / b for a, b in zip(rates["collector"], rates["floor"], strict=True))
+    if "contract" in med:  # how many floors the step contract alone costs
+        row["contract_cost_in_floors"] = statistics.median(f / c for c, f in zip(rates["contract"], rates["floor"], strict=True))
     benchmark.extra_info.update(row)
     ceiling_table[case.name] = row
 
 
 def test_two_turn_over_single_turn(benchmark, interleaved):
     """Tokens/CPU-s of 2-turn waves over single-turn ones (B=256, up to 1024 tokens per trajectory, instant policy,
-    6 batches per round), rounds interleaved: a 2-turn trajectory's turns come from two waves and are copied into
+    6 batches per round), 7 rounds interleaved: a 2-turn trajectory's turns come from two waves and are copied into
     its batch, where a single-turn batch is one wave's rows as they are."""
     torch.manual_seed(0)
     cases = {"single": Case("wave", 256, 1024, "trajectories", batches=6),
              "2-turn": Case("wave", 256, 1024, "trajectories", turns=2, batches=6)}  # fmt: skip
     states: dict = {name: {} for name in cases}
     runs = {name: _run(_collector(case), case.batches, states[name]) for name, case in cases.items()}
-    interleaved(runs, 5, benchmark)
+    interleaved(runs, 7, benchmark)
     cpu = {name: states[name]["cpu:collector"][1:] for name in cases}  # the warm-up call is left out
     row = {f"tokens_per_cpu_s_{n}": statistics.median(v) for n, v in cpu.items()}
     row["two_turn_over_single"] = statistics.median(b / a for a, b in zip(cpu["single"], cpu["2-turn"], strict=True))
     benchmark.extra_info.update(row)
-    print(f"\n2-turn ÷ single-turn waves (B256-T1024, tokens/CPU-s, median of 5 interleaved rounds): "
+    print(f"\n2-turn ÷ single-turn waves (B256-T1024, tokens/CPU-s, median of 7 interleaved rounds): "
           f"single {row['tokens_per_cpu_s_single'] / 1e6:.2f}M, 2-turn {row['tokens_per_cpu_s_2-turn'] / 1e6:.2f}M, "
           f"ratio {row['two_turn_over_single']:.3f}")
 
