@@ -104,13 +104,13 @@ class TrajectoryRecorder:
             return None
         self.flush()
         seg, wave = wave_rows(chunk)
-        first, counts, ends = wave["live"], wave["counts"], wave["ends"]
-        starts = first & (wave[F_RESP] == 0)
+        live, counts, ends = wave["live"], wave["counts"], wave["ends"]
+        starts = live & (wave[F_RESP] == 0)
         whole = starts & ends  # the wave holds the whole trajectory
         if self.open is None:
-            self.open, self._slots = {}, first.shape[0]
-        if not bool(whole.all()) and bool((first & ~whole).any()):
-            self._write_pieces(seg, wave, (first & ~whole).nonzero().squeeze(-1), starts)
+            self.open, self._slots = {}, live.shape[0]
+        if not bool(whole.all()) and bool((live & ~whole).any()):
+            self._write_pieces(seg, wave, (live & ~whole).nonzero().squeeze(-1), starts)
         if bool(whole.any()):
             rows = whole.nonzero().squeeze(-1)
             self._finish([seg] * len(rows), rows, counts[rows], wave[F_GROUP][rows], wave[F_TRAJ][rows],

@@ -132,12 +132,10 @@ class WaveSteps:
         by slot (each slot's in order), and each slot's number of steps (B,) (0 outside the wave). Built over
         those steps only: a wave whose rows are mostly padding (turns of different lengths) costs what its tokens
         cost."""
-        s0, (B, T) = self.start, self.actions.shape
+        s0, T = self.start, self.actions.shape[1]
         steps = torch.where(self.in_wave, self.end + 1, 0)
-        n = int(steps.sum())
-        slot = torch.repeat_interleave(torch.arange(B), steps)  # each step's slot
-        first = steps.cumsum(0) - steps  # each slot's first step
-        t = torch.arange(n) - first.index_select(0, slot)
+        slot, t, first = _runs(steps)
+        n = len(slot)
         at = slot * T + t
         actions = self.actions.reshape(-1)
         acts = actions.index_select(0, at)
@@ -233,9 +231,8 @@ def unroll_wave(wave: WaveSteps, state: dict, tokens: torch.Tensor, rules: dict)
     wave.end = torch.where(in_wave, end, torch.zeros_like(end))
     wave.ended = in_wave & (first_end == wave.end)
     at_budget = wave.end >= budget_at
-    wave.cut = in_wave & ~wave.ended & ~at_budget if cut_at is not None else torch.zeros_like(in_wave)
-    if cut_at is not None:
-        wave.cut &= wave.end >= cut_at
+    at_cut = wave.end >= cut_at if cut_at is not None else torch.zeros_like(in_wave)
+    wave.cut = in_wave & ~wave.ended & ~at_budget & at_cut
     # as stepping has it: the budget flag stands even where EOS came on the last token (the episode cannot go on)
     wave.limited = in_wave & (at_budget | (~wave.ended & ~wave.cut))
     wave.new_len = torch.where(in_wave, seq0 + wave.end + 1, seq0)
@@ -243,9 +240,7 @@ def unroll_wave(wave: WaveSteps, state: dict, tokens: torch.Tensor, rules: dict)
     idx = torch.arange(B)
     wave.last_action = torch.where(in_wave, actions[idx, wave.end], state[keys.TOKEN])
     if not stop.is_enabled:  # the tokens up to each row's end, and no further
-        steps = torch.where(in_wave, wave.end + 1, 0)
-        r = torch.repeat_interleave(idx, steps)
-        c = torch.arange(len(r)) - (steps.cumsum(0) - steps).index_select(0, r)
+        r, c, _ = _runs(torch.where(in_wave, wave.end + 1, 0))
         _write(wave, tokens, r, c, seq0)
     wave.start = dict(state)
     return wave
@@ -256,3 +251,11 @@ def _write(wave: WaveSteps, tokens: torch.Tensor, r: torch.Tensor, c: torch.Tens
     p = seq0.index_select(0, r) + c
     wave.written = (r, p, tokens[r, p])  # advanced indexing copies: the previous entries
     tokens[r, p] = wave.actions[r, c]
+
+
+def _runs(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Runs of ``counts[b]`` cells for each row ``b``, laid end to end: each cell's row and its index within its run,
+    and each run's first cell."""
+    row = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    first = counts.cumsum(0) - counts
+    return row, torch.arange(len(row)) - first.index_select(0, row), first
