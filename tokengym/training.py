@@ -31,10 +31,12 @@ class TrainOptions:
 def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *, iterations: int,
           options: TrainOptions = TrainOptions(), prepare: Callable | None = None,
           on_iteration: Callable[[dict, TensorDictBase], None] | None = None,
-          scheduler=None, weights: Callable[[], Mapping] | None = None) -> list[dict]:  # fmt: skip
+          scheduler=None, weights: Callable[[], Mapping] | None = None,
+          device: torch.device | str | None = None) -> list[dict]:  # fmt: skip
     """Train ``loss`` on ``iterations`` batches of ``collector``; returns one row of metrics per iteration.
 
-    Each iteration: ``prepare`` the batch; ``options.epochs`` optimizer steps on the sum of the loss's
+    Each iteration: ``prepare`` the batch (on the host, where collectors yield it); move it to ``device``;
+    ``options.epochs`` optimizer steps on the sum of the loss's
     ``loss_*`` terms (TorchRL's convention), the loss module in train mode, the gradient clipped; then
     ``collector.update_policy_weights_``. A row holds ``iter``, ``reward`` (the collector's ``mean_reward``),
     ``kl`` and ``beta`` (a KL transform's, else NaN), ``tokens_per_s``, ``loss`` (the summed terms) and every
@@ -52,6 +54,8 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         scheduler: a learning-rate scheduler, stepped after every optimizer step (a warm-up).
         weights: returns the weights to send (``model.state_dict``), for a collector holding its own copy
             (Ray workers, ``AsyncCollector``); None: the collector's policy trains in place.
+        device: the trainer's device (the trained model's, e.g. ``"cuda"``): the prepared batch moves there before
+            the loss; None leaves it on the host (a model on the CPU).
 
     Raises:
         ValueError, TypeError: a bad argument, before the first batch. KeyError: a loss without ``loss_*`` terms.
@@ -76,12 +80,15 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     """
     _check(collector, loss, optimizer, iterations, options, scheduler,
            {"prepare": prepare, "on_iteration": on_iteration, "weights": weights})  # fmt: skip
+    device = _check_device(device)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     rows: list[dict] = []
     for i, batch in enumerate(collector):
         if batch is None:
             raise TypeError("the collector yielded None (it writes to a sink); train() needs the batches: drop sink=")
         data = batch if prepare is None else prepare(batch)
+        if device is not None:
+            data = data.to(device)  # one copy of the prepared batch (its non-tensor prompt table travels as it is)
         loss.train()
         for _ in range(options.epochs):
             out = loss(data)
@@ -113,6 +120,18 @@ def _total_loss(out) -> torch.Tensor:
         raise KeyError(f"the loss returned no 'loss_*' term (keys: {sorted(map(str, out.keys()))}); train() "
                        "backpropagates the sum of the terms named loss_*, as TorchRL's losses name them")  # fmt: skip
     return sum((out.get(k) for k in names[1:]), out.get(names[0]))
+
+
+def _check_device(device) -> torch.device | None:
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a torch.device, a string ('cuda', 'cuda:1', 'cpu') or None, got "
+                        f"{type(device).__name__} {device!r}")  # fmt: skip
+    try:
+        return torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device={device!r} is not a device name ({error}); use 'cuda', 'cuda:0' or 'cpu'") from None
 
 
 def _check(collector, loss, optimizer, iterations, options, scheduler, callbacks: dict) -> None:

@@ -245,7 +245,7 @@ class MismatchCorrection(BatchTransform):
             if not isinstance(trainer, torch.Tensor) or trainer.numel() != mask.numel():
                 raise ValueError(f"{owner}: trainer(batch) must return the log-prob of every step of the batch, "
                                  f"shape {tuple(mask.shape)}, got {getattr(trainer, 'shape', type(trainer).__name__)}")  # fmt: skip
-            td.set(keys.TRAINER_LOG_PROB, trainer.reshape(mask.shape).float())
+            td.set(keys.TRAINER_LOG_PROB, trainer.reshape(mask.shape).float().to(mask.device))  # the batch's device
         trainer = squeeze_last(require(td, keys.TRAINER_LOG_PROB, owner), mask.shape)
         sequence_ids = None
         if self.level is CorrectionLevel.SEQUENCE and keys.TRAJ_ID in td.keys():

@@ -11,6 +11,7 @@ import torch
 from tensordict import TensorDictBase
 
 from tokengym.llm_envs import keys
+from tokengym.llm_envs.devices import input_device
 from tokengym.llm_envs.prompt_table import PromptTable
 from tokengym.transforms._checks import (
     check_batch,
@@ -28,7 +29,8 @@ def sequence_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor
                        temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
     """Log-prob of each token given its prefix, from one forward of a transformers causal LM.
 
-    Position ids come from the attention mask, so left padding scores exactly like no padding.
+    Position ids come from the attention mask, so left padding scores exactly like no padding. The model runs on its
+    own device (the inputs go there); the result is on ``tokens``' device.
 
     Args:
         model: a transformers causal LM (anything returning ``.logits`` of shape (N, L, V)).
@@ -58,20 +60,22 @@ def sequence_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor
         raise ValueError(
             f"attention_mask must have the shape of tokens {tuple(tokens.shape)}, got {tuple(attention_mask.shape)}"
         )
-    attention_mask = attention_mask.long()
+    home, device = tokens.device, input_device(model)
+    tokens, attention_mask = tokens.to(device), attention_mask.to(device).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    logits = out.logits[:, :-1].float()  # (N, L-1, V)
+    logits = out.logits[:, :-1].float()  # (N, L-1, V) on the model's output device
     if temperature != 1.0:
         logits = logits / temperature
+    tokens, attention_mask = tokens.to(logits.device), attention_mask.to(logits.device)
     # gather - logsumexp keeps memory at (N, L, V) once instead of a full log_softmax copy
     picked = logits.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (N, L-1)
     logp = picked - torch.logsumexp(logits, dim=-1)
-    result = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    result = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
     # a token is scored when it and its predecessor are real (the first token has no prefix)
     scored = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool()
     result[:, 1:] = torch.where(scored, logp, torch.zeros_like(logp))
-    return result
+    return result.to(home)
 
 
 def check_trajectory_rows(batch: TensorDictBase, owner: str) -> torch.Tensor:

@@ -10,6 +10,11 @@ copy: the next decode step's concatenation copies the cache anyway). So a refill
 cache and the cache stays as wide as the longest live slot. Extending slots with env-inserted tokens
 (multi-turn) appends columns for all rows and then right-aligns every row again (``compact``).
 
+Placement: keys, values and the attention mask live on the model's devices; the bookkeeping (each row's cached length
+and trajectory id) lives on the host beside the env's slot state, so deciding what to prefill never waits for the
+device. A decode step sends the fed tokens and their positions in one host-to-device copy, a refill its prompts in
+one more; nothing here copies from the device to the host.
+
 The forwards and the cache's own writes run under ``torch.inference_mode()`` (a tenth less per decode step of a
 small model than ``no_grad``); the keys and values are inference tensors, but the logits a decode returns feed
 functional ops only, so what a policy hands out, and a checkpoint's clones, are ordinary tensors.
@@ -19,6 +24,8 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+
+from tokengym.llm_envs.devices import input_device
 
 __all__ = ["SlotKVCache"]
 
@@ -41,12 +48,14 @@ class SlotKVCache:
 
     def __init__(self, model, batch_size: int) -> None:
         self.model, self.batch_size = model, batch_size
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)  # where the ids, positions and mask go (keys/values: each layer's device)
         # one DynamicCache lives across steps: rebuilding it per step would copy every layer's KV
         self.cache = self._new_cache(self._empty_layers(batch_size))
         self.mask = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)  # (B, C)
-        self.length = torch.zeros(batch_size, dtype=torch.int64, device=self.device)  # cached tokens per slot
-        self.traj = torch.full((batch_size,), -1, dtype=torch.int64, device=self.device)  # trajectory per row
+        # host bookkeeping, beside the env's slot state: reading it never synchronizes with the device
+        self.length = torch.zeros(batch_size, dtype=torch.int64)  # cached tokens per slot
+        self.traj = torch.full((batch_size,), -1, dtype=torch.int64)  # trajectory per row
+        self._one = torch.ones(batch_size, dtype=torch.int64)
         self._new_column = torch.ones(batch_size, 1, dtype=torch.int64, device=self.device)
         self._seen: tuple = (None, None)  # the (traj_id, active) tensors of the last sync
 
@@ -95,7 +104,7 @@ class SlotKVCache:
         # step the env rolled back and is retried): two ops when every slot is live, four otherwise.
         if traj is self._seen[0] and active is self._seen[1]:
             gap = seq_len - self.length  # (B,) 1 for every slot in step with the cache
-            if torch.equal(gap, self._new_column.view(-1)) or not bool(((gap != 1) & active).any()):
+            if torch.equal(gap, self._one) or not bool(((gap != 1) & active).any()):
                 return
         self._seen = (traj, active)
         # a new trajectory, or a cache ahead of the env (a step rolled back after a reward error): prefill
@@ -117,23 +126,27 @@ class SlotKVCache:
         # the columns any live slot still needs; the refilled rows need `width`
         keep = max(int(torch.where(active, self.length, 0).max()), width)
         self._resize(keep)
-        self.mask[rows] = 0
-        if width == 0:  # one-token prompts: nothing to prefill
-            return
-        cols = torch.arange(width, device=self.device)
+        # the rows, the right-aligned prefixes and their mask in one host-to-device copy
+        cols = torch.arange(width)
         seg_mask = cols[None, :] >= (width - lens)[:, None]  # (n, width) each prefix right-aligned
         src = (cols[None, :] - (width - lens)[:, None]).clamp_(min=0)
         ids = torch.where(seg_mask, tokens[rows[:, None], src], 0)
-        seg_mask = seg_mask.long()
+        packed = torch.cat([rows[:, None], ids, seg_mask.long()], 1).to(self.device, non_blocking=True)
+        rows_d, ids, seg_mask = packed[:, 0], packed[:, 1 : width + 1], packed[:, width + 1 :]
+        self.mask.index_fill_(0, rows_d, 0)  # not `mask[rows] = 0`: a host scalar copied to the device waits for it
+        self.length[rows] = lens
+        if width == 0:  # one-token prompts: nothing to prefill
+            return
         sub = DynamicCache(config=self.model.config)
-        self.model(input_ids=ids, attention_mask=seg_mask, position_ids=(seg_mask.cumsum(-1) - 1).clamp_(min=0),
+        self.model(input_ids=ids, attention_mask=self._block_mask(seg_mask),
+                   position_ids=(seg_mask.cumsum(-1) - 1).clamp_(min=0),
                    past_key_values=sub, logits_to_keep=1)  # fmt: skip
         start = keep - width
         for (k, v), layer in zip(self.kv, sub.layers, strict=True):
-            k[rows, :, start:] = layer.keys
-            v[rows, :, start:] = layer.values
-        self.mask[rows, start:] = seg_mask
-        self.length[rows] = lens
+            at = rows_d.to(k.device, non_blocking=True)  # a device_map model: each layer on its own device
+            k[at, :, start:] = layer.keys
+            v[at, :, start:] = layer.values
+        self.mask[rows_d, start:] = seg_mask
 
     def _resize(self, keep: int) -> None:
         """Make the cache ``keep`` columns wide: drop the first columns (a view) or prepend holes (a copy)."""
@@ -156,25 +169,31 @@ class SlotKVCache:
         n, width = len(segments), max(len(s) for s in segments)
         if width == 0:
             return
-        ids = torch.zeros(n, width, dtype=torch.int64, device=self.device)
-        seg_mask = torch.zeros(n, width, dtype=torch.int64, device=self.device)
+        ids = torch.zeros(n, width, dtype=torch.int64)
+        seg_mask = torch.zeros(n, width, dtype=torch.int64)
         for i, seg in enumerate(segments):  # left-pad each segment (one copy per extension, not per step)
             if len(seg):
                 ids[i, width - len(seg) :] = seg
                 seg_mask[i, width - len(seg) :] = 1
         positions = (self.length[rows, None] + seg_mask.cumsum(-1) - 1).clamp(min=0)
+        self.length[rows] += seg_mask.sum(-1)
+        # rows, ids, positions and mask in one host-to-device copy
+        packed = torch.cat([rows[:, None], ids, positions, seg_mask], 1).to(self.device, non_blocking=True)
+        rows, ids = packed[:, 0], packed[:, 1 : width + 1]
+        positions, seg_mask = packed[:, width + 1 : 2 * width + 1], packed[:, 2 * width + 1 :]
         attention = torch.cat([self.mask[rows], seg_mask], dim=1)
-        sub = self._new_cache([(k[rows], v[rows]) for k, v in self.kv])
-        self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=sub,
+        sub = self._new_cache([(k[rows.to(k.device)], v[rows.to(v.device)]) for k, v in self.kv])
+        self.model(input_ids=ids, attention_mask=self._block_mask(attention, width), position_ids=positions,
+                   past_key_values=sub,
                    logits_to_keep=1)  # fmt: skip
         self.kv = [(torch.cat([k, k.new_zeros(*k.shape[:2], width, k.shape[3])], 2),
                     torch.cat([v, v.new_zeros(*v.shape[:2], width, v.shape[3])], 2)) for k, v in self.kv]  # fmt: skip
         self.mask = torch.cat([self.mask, self.mask.new_zeros(self.batch_size, width)], 1)
         for i, layer in enumerate(sub.layers):
             k, v = self.kv[i]
-            k[rows], v[rows] = layer.keys, layer.values
+            at = rows.to(k.device)
+            k[at], v[at] = layer.keys, layer.values
         self.mask[rows] = attention
-        self.length[rows] += seg_mask.sum(-1)
         self.compact()
 
     # -- stepping --
@@ -185,27 +204,57 @@ class SlotKVCache:
         Every row attends to its new column (idle rows to their own token), so no row is ever fully
         masked; only live rows count it as a cached token.
         """
+        step = torch.stack([tokens, self.length], 1).to(self.device, non_blocking=True)  # (B, 2): one copy
         attention = torch.cat([self.mask, self._new_column], dim=1)  # (B, C+1)
         out = self.model(
-            input_ids=tokens[:, None],
-            attention_mask=attention,
-            position_ids=self.length[:, None],
+            input_ids=step[:, :1],
+            attention_mask=self._decode_mask(attention),
+            position_ids=step[:, 1:],
             past_key_values=self.cache,
         )
         self.mask = attention
         self.length += live
         return out.logits[:, -1]
 
+    def _decode_mask(self, attention: torch.Tensor) -> torch.Tensor:
+        """The attention mask (B, C+1) of a one-token step, as the model's attention takes it without a host read.
+
+        Given a 2-D mask, transformers asks the host whether every column is attended (to skip the mask), one
+        synchronization per forward on an accelerator; a 4-D mask (B, 1, 1, C+1) goes to the attention as it is. A
+        new token attends to every cached column of its row, so the padding mask is the whole mask: bool for SDPA,
+        additive for eager; other kernels (flash attention) take the 2-D mask.
+        """
+        return self._as_4d(attention.bool()[:, None, None, :], attention)
+
+    def _block_mask(self, attention: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+        """The 4-D mask (n, 1, q, K) of ``q`` new tokens (the last ``q`` of the ``K`` columns of ``attention``, (n, K)):
+        causal, padding columns masked; a padding query attends to itself alone (no fully masked row, whose attention
+        SDPA would make NaN and carry into the cache's values)."""
+        n, K = attention.shape
+        q = K if queries is None else queries
+        cols = torch.arange(K, device=attention.device)
+        query_cols = cols[K - q :, None]  # (q, 1)
+        allowed = (cols[None, :] <= query_cols) & attention.bool()[:, None, :]  # (n, q, K)
+        allowed |= cols[None, :] == query_cols
+        return self._as_4d(allowed[:, None], attention)
+
+    def _as_4d(self, allowed: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        kind = getattr(self.model.config, "_attn_implementation", None)
+        if kind == "sdpa":
+            return allowed
+        if kind == "eager":
+            dtype = self.kv[0][0].dtype
+            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, torch.finfo(dtype).min)  # fmt: skip
+        return attention
+
     def compact(self) -> None:
         """Right-align every row: its cached tokens become the last ``length`` columns (O(B * C))."""
         keep = int(self.length.max())
         order = torch.sort(self.mask, dim=1, stable=True).indices[:, self.columns - keep :]  # (B, keep)
         self.mask = self.mask.gather(1, order)
-        self.kv = [
-            (k.gather(2, order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])),
-             v.gather(2, order[:, None, :, None].expand(-1, v.shape[1], -1, v.shape[3])))
-            for k, v in self.kv
-        ]  # fmt: skip
+        self.kv = [(k.gather(2, _expand(order.to(k.device), k)), v.gather(2, _expand(order.to(v.device), v)))
+                   for k, v in self.kv]  # fmt: skip
 
     def clear(self) -> None:
         """Forget every slot (after a weight update, say): the next :meth:`sync` prefills every live slot.
@@ -230,11 +279,18 @@ class SlotKVCache:
         rows = int(state["mask"].shape[0])
         if rows != self.batch_size:
             raise ValueError(f"this KV cache checkpoint holds {rows} slots, the cache has {self.batch_size}")
-        self.kv = [(k.clone(), v.clone()) for k, v in state["kv"]]
-        self.mask, self.length = state["mask"].clone(), state["length"].clone()
-        self.traj = state["traj"].clone()
+        # a checkpoint loaded with map_location="cpu" goes back to the model's devices; bookkeeping to the host
+        self.kv = [(k.to(mine.device, copy=True), v.to(mine_v.device, copy=True))
+                   for (k, v), (mine, mine_v) in zip(state["kv"], self.kv, strict=True)]  # fmt: skip
+        self.mask = state["mask"].to(self.device, copy=True)
+        self.length, self.traj = state["length"].to("cpu", copy=True), state["traj"].to("cpu", copy=True)
         self._seen = (None, None)
 
     def nbytes(self) -> int:
         """Bytes held by keys and values."""
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+
+
+def _expand(order: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Column indices (B, C') expanded to gather keys or values (B, H, C', D)."""
+    return order[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3])

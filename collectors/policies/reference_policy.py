@@ -57,8 +57,9 @@ class StepwiseReference(TensorDictModuleBase):
         active = tensordict.get(keys.ACTIVE)
         self.cache.sync(self.env.tokens, tensordict.get(keys.SEQ_LEN), tensordict.get(keys.TRAJ_ID), active)
         logits = self.cache.decode(tensordict.get(keys.TOKEN), active).float() / self.temperature  # (B, V)
-        action = tensordict.get(keys.ACTION)
-        ref = logits.log_softmax(-1).gather(-1, action[:, None]).squeeze(-1)
+        action = tensordict.get(keys.ACTION)  # the policy's, on the host
+        ref = logits.log_softmax(-1).gather(-1, action.to(logits.device, non_blocking=True)[:, None]).squeeze(-1)
+        ref = ref.to(action.device)  # a CUDA reference: one more device-to-host copy per step
         tensordict.set(keys.REF_LOG_PROB, torch.where(active, ref, torch.zeros_like(ref)))
         return tensordict
 

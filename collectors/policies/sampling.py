@@ -108,18 +108,23 @@ def batch_sampling(tensordict: TensorDictBase) -> SamplingConfig | None:
     return SamplingConfig(**records[0]) if records else None
 
 
-def processed_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+def processed_logits(logits: torch.Tensor, config: SamplingConfig, *, in_place: bool = False) -> torch.Tensor:
     """The logits (..., V) of the distribution ``config`` samples from, whose log-softmax gives the log-probs the
     policies write as ``action_log_prob``: divided by the temperature, banned tokens and top-k / top-p at -inf.
 
-    Differentiable (the sequence actors train through it); a new float32 tensor.
+    Differentiable (the sequence actors train through it); a new float32 tensor, or with ``in_place`` (float32
+    logits the caller gave up: a training forward's (N, L, V) copy) the temperature divides them in place, one
+    vocabulary-sized copy fewer.
 
     Example:
         >>> x = processed_logits(torch.tensor([[0.0, 2.0, 1.0]]), SamplingConfig(temperature=0.5, banned_token_ids=(2,)))
         >>> x.tolist()
         [[0.0, 4.0, -inf]]
     """
-    x = logits.float() / config.temperature  # always a new tensor: the caller's logits stay as they are
+    if in_place and logits.dtype == torch.float32:
+        x = logits if config.temperature == 1.0 else logits.div_(config.temperature)
+    else:
+        x = logits.float() / config.temperature  # a new tensor: the caller's logits stay as they are
     banned = config.banned_ids(x.device)
     if banned is None and not config.is_filtered:
         return x
@@ -162,7 +167,10 @@ def _scratch(like: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     allocation, which glibc maps and page-faults anew each time (10-20% of a step at a 151k vocabulary)."""
     buf = getattr(_SCRATCH, "weights", None)
     if buf is None or buf.shape != shape or buf.dtype != like.dtype or buf.device != like.device:
-        buf = _SCRATCH.weights = like.new_empty(shape)
+        # an ordinary tensor even when first drawn under torch.inference_mode(): an inference tensor would refuse
+        # the in-place writes of a later draw outside it (a policy after a user's inference-mode loop)
+        with torch.inference_mode(False):
+            buf = _SCRATCH.weights = torch.empty(shape, dtype=like.dtype, device=like.device)
     return buf
 
 
@@ -209,7 +217,8 @@ def sample_tokens(
     Args:
         logits: next-token logits (B, V); never modified.
         config: the :class:`SamplingConfig`.
-        generator: the seeded generator every draw comes from (one float64 uniform per row).
+        generator: the seeded generator every draw comes from (one float64 uniform per row), on the logits'
+            device (:func:`~tokengym.llm_envs.devices.seeded_generator`).
         with_raw_log_prob: also compute the log-prob under the unmodified model; ``False`` returns
             ``None`` in its place and saves a pass over the vocabulary when a filter or a temperature is set.
 
@@ -225,7 +234,11 @@ def sample_tokens(
         >>> a.item() != 1, torch.allclose(lp, torch.tensor([0.0, -float("inf"), 1.0]).log_softmax(-1)[a])
         (True, True)
     """
-    raw_logits = logits.float()
+    if generator is not None and generator.device.type != logits.device.type:
+        raise ValueError(f"sample_tokens: the generator is on {generator.device} but the logits are on {logits.device}; "
+                         "draw with a generator on the logits' device: "
+                         "tokengym.llm_envs.devices.seeded_generator(logits.device, seed)")  # fmt: skip
+    raw_logits = logits.float()  # (B, V) float32 whatever the model's dtype: log-probs are float32
     x = raw_logits if config.temperature == 1.0 else raw_logits / config.temperature  # (B, V)
     banned = config.banned_ids(x.device)
     banned_x = None
@@ -261,11 +274,14 @@ def _max_allowed(x: torch.Tensor, banned: torch.Tensor | None, banned_x: torch.T
     """Max (B, 1) of each row over the tokens that may be drawn, so the largest weight is exactly 1.
 
     ``banned_x`` holds the banned logits (B, n); only rows whose max is a banned token (rare) are
-    recomputed on a masked copy.
+    recomputed on a masked copy (on the CPU; an accelerator takes every row's masked max rather than wait for a
+    host read of which rows need it).
     """
     m = x.amax(-1, keepdim=True)
     if banned_x is None:
         return m
+    if x.device.type != "cpu":  # no host read on an accelerator: the masked max of every row, one pass
+        return x.index_fill(-1, banned, -float("inf")).amax(-1, keepdim=True)
     hit = (banned_x.amax(-1, keepdim=True) >= m).squeeze(-1)
     if bool(hit.any()):
         m = m.clone()

@@ -4,6 +4,11 @@ Both actors score with the sampling settings the batch records (its PromptTable'
 from the policy's ``SamplingConfig``): the temperature divides the logits and banned tokens get probability 0,
 so on the first on-policy step the ratio against ``action_log_prob`` is 1. A ``temperature`` passed to an actor
 that differs from the batch's, or a batch sampled with top-k / top-p, raises a ``ValueError`` naming the fix.
+
+Devices: the model runs where it is (the inputs go to its input embedding's device). What a loss reads (``forward``,
+``get_dist``: logits over the vocabulary) is computed for a batch on the model's device; a host batch with a model on
+an accelerator raises a ``ValueError`` naming the fix (``batch.to(device)``, ``train(..., device=)``). ``log_prob``
+takes a batch on any device and answers on the batch's device (what ``MismatchCorrection`` compares).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from tensordict.nn import TensorDictModuleBase
 
 from tokengym.collectors.policies.sampling import SamplingConfig, batch_sampling, processed_logits
 from tokengym.llm_envs import keys
+from tokengym.llm_envs.devices import check_same_device, input_device
 from tokengym.transforms.sequences import sequence_layout
 
 __all__ = ["MaskedCategorical", "PaddedSequenceActor", "SequenceActor"]
@@ -95,33 +101,44 @@ class SequenceActor(TensorDictModuleBase):
         """Logits (N, T, V) of each step's token distribution, the batch's sampling settings applied."""
         config = self.scoring(tensordict)
         layout = sequence_layout(tensordict, pad_id=self.pad_token_id)
-        attention_mask = layout.attention_mask.long()
+        device = input_device(self.model)
+        attention_mask = layout.attention_mask.long().to(device)
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=layout.tokens, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+        out = self.model(input_ids=layout.tokens.to(device), attention_mask=attention_mask, position_ids=positions,
+                         use_cache=False)  # fmt: skip
+        device = out.logits.device  # the model's output device
         # step t is predicted at the column before its token (multi-turn: feedback sits in between)
-        index = (layout.columns - 1)[..., None].expand(*layout.columns.shape, out.logits.shape[-1])
-        logits = processed_logits(out.logits.gather(1, index), config)  # (N, T, V)
+        columns = layout.columns.to(device)
+        index = (columns - 1)[..., None].expand(*columns.shape, out.logits.shape[-1])
+        logits = processed_logits(out.logits.gather(1, index).float(), config, in_place=True)  # (N, T, V) float32
         mask = tensordict.get(keys.MASK, None)
         if mask is not None and not bool(mask.all()):  # padding: a point mass on the recorded action
-            pad = ~mask.reshape(logits.shape[:-1]).bool()
+            pad = ~mask.reshape(logits.shape[:-1]).bool().to(device)
             logits = logits.masked_fill(pad[..., None], -float("inf"))
             rows, cols = pad.nonzero(as_tuple=True)
-            logits[rows, cols, tensordict.get(keys.ACTION)[rows, cols]] = 0.0
+            logits[rows, cols, tensordict.get(keys.ACTION).to(device)[rows, cols]] = 0.0
         return logits
+
+    def _loss_logits(self, tensordict: TensorDictBase) -> torch.Tensor:
+        """:meth:`logits` for a loss: on the batch's device, which must be the model's (no host copy of (N, T, V))."""
+        home = tensordict.get(keys.ACTION).device
+        check_same_device(type(self).__name__, home, input_device(self.model))
+        return self.logits(tensordict).to(home)
 
     def log_prob(self, tensordict: TensorDictBase) -> torch.Tensor:
         """Log-prob (N, T) of each step's action under the model (0 on padding): the trainer's log-probs that
         :class:`~tokengym.transforms.MismatchCorrection` compares with the sampler's (call it under ``torch.no_grad()``)."""
         action = tensordict.get(keys.ACTION)
-        return self.logits(tensordict).log_softmax(-1).gather(-1, action[..., None]).squeeze(-1)
+        logits = self.logits(tensordict)
+        return logits.log_softmax(-1).gather(-1, action.to(logits.device)[..., None]).squeeze(-1).to(action.device)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        tensordict.set(keys.LOGITS, self.logits(tensordict))
+        tensordict.set(keys.LOGITS, self._loss_logits(tensordict))
         return tensordict
 
     def get_dist(self, tensordict: TensorDictBase) -> torch.distributions.Categorical:
         """The per-step categorical distribution (what ``ClipPPOLoss`` calls)."""
-        return torch.distributions.Categorical(logits=self.logits(tensordict))
+        return torch.distributions.Categorical(logits=self._loss_logits(tensordict))
 
 
 class MaskedCategorical(torch.distributions.Categorical):
@@ -169,20 +186,31 @@ class PaddedSequenceActor(TensorDictModuleBase):
         """The sampling settings this actor scores ``tensordict`` with (temperature and banned tokens)."""
         return _scoring(type(self).__name__, self.temperature, self.use_unfiltered, tensordict)
 
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+    def _logits(self, tensordict: TensorDictBase) -> torch.Tensor:
+        """Logits (N, L, V) where column ``j`` scores token ``j``, on the model's output device."""
         config = self.scoring(tensordict)
-        out = self.model(input_ids=tensordict.get(keys.TOKENS), attention_mask=tensordict.get(keys.ATTENTION_MASK).long(),
-                         position_ids=tensordict.get(keys.POSITION_IDS), use_cache=False)  # fmt: skip
-        logits = processed_logits(out.logits, config)  # (N, L, V)
-        # the logits at column j-1 predict token j: shift right so that column j scores token j
-        tensordict.set(keys.LOGITS, torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1))
+        device = input_device(self.model)
+        out = self.model(input_ids=tensordict.get(keys.TOKENS).to(device),
+                         attention_mask=tensordict.get(keys.ATTENTION_MASK).long().to(device),
+                         position_ids=tensordict.get(keys.POSITION_IDS).to(device), use_cache=False)  # fmt: skip
+        # the logits at column j-1 predict token j: shifted right so that column j scores token j, into one float32
+        # (N, L, V) tensor (the dtype cast in the same copy: no float32 copy of the model's logits beside it)
+        shifted = out.logits.new_zeros(out.logits.shape, dtype=torch.float32)
+        shifted[:, 1:] = out.logits[:, :-1]
+        return processed_logits(shifted, config, in_place=True)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        home = tensordict.get(keys.TOKENS).device
+        check_same_device(type(self).__name__, home, input_device(self.model))
+        tensordict.set(keys.LOGITS, self._logits(tensordict).to(home))
         return tensordict
 
     def log_prob(self, tensordict: TensorDictBase) -> torch.Tensor:
         """Log-prob (N, L) of each generated token (0 where ``keys.ACTION_MASK`` is False): the trainer's log-probs
-        that :class:`~tokengym.transforms.MismatchCorrection` compares with the sampler's (call it under ``torch.no_grad()``)."""
-        logits = self(tensordict.copy()).get(keys.LOGITS)
-        lp = logits.log_softmax(-1).gather(-1, tensordict.get(keys.TOKENS)[..., None]).squeeze(-1)
+        that :class:`~tokengym.transforms.MismatchCorrection` compares with the sampler's (call it under ``torch.no_grad()``).
+        On the batch's device, from a batch on any device."""
+        logits, tokens = self._logits(tensordict), tensordict.get(keys.TOKENS)
+        lp = logits.log_softmax(-1).gather(-1, tokens.to(logits.device)[..., None]).squeeze(-1).to(tokens.device)
         return torch.where(tensordict.get(keys.ACTION_MASK), lp, torch.zeros_like(lp))
 
     def get_dist(self, tensordict: TensorDictBase, logits_key=keys.LOGITS) -> MaskedCategorical:

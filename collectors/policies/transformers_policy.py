@@ -13,6 +13,7 @@ from tokengym.collectors.policies.lora import is_lora_model, merged_weights
 from tokengym.collectors.policies.protocol import Weights, check_fits_env, weights_of
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
 from tokengym.llm_envs import keys
+from tokengym.llm_envs.devices import generator_device, input_device, output_device, seeded_generator
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["TransformersPolicy"]
@@ -33,6 +34,12 @@ class TransformersPolicy(TensorDictModuleBase):
     every later step is one incremental forward of the whole batch over the cache. Tokens the env
     inserts (multi-turn feedback) are prefilled when ``seq_len`` jumps; the model's own tokens are
     never re-tokenized or re-run.
+
+    The model's device decides where the policy works: the KV cache on the model's devices, sampling on the logits'
+    device with a generator there (seeded with ``seed``: the same seed gives the same tokens on the same device),
+    log-probs in float32 whatever the model's dtype. What it writes into the step's TensorDict is on the host, with
+    the env's slot state: each step copies the sampled ids and log-probs to the host in one copy. Build the policy
+    after moving the model (``model.to("cuda")``); a model moved later raises a ``ValueError``.
 
     A ``peft`` LoRA model works as it is: a weight update then copies only the adapter's tensors into it
     (:func:`~tokengym.collectors.policies.adapter_weights`; ``weight_sync`` is ``"adapter"``).
@@ -91,7 +98,7 @@ class TransformersPolicy(TensorDictModuleBase):
         self.version = 0
         self._version_tensor: torch.Tensor | None = None
         self._version_stamped = -1  # the version _version_tensor holds (no tensor read per step)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = seeded_generator(output_device(model), seed)
         self.reset_cache()
 
     def reset_cache(self) -> None:
@@ -106,10 +113,13 @@ class TransformersPolicy(TensorDictModuleBase):
         """Write ``action``, ``action_log_prob`` and ``policy_version`` for every slot."""
         token, seq_len = tensordict.get(keys.TOKEN), tensordict.get(keys.SEQ_LEN)
         traj, active = tensordict.get(keys.TRAJ_ID), tensordict.get(keys.ACTIVE)
+        self._check_placement()
         self.cache.sync(self.env.tokens, seq_len, traj, active)  # the env's read-only buffer: new prefixes only
         logits = self.cache.decode(token, active)  # idle rows attend to their own token: finite, and ignored
         action, logp, raw = sample_tokens(logits, self.sampling, self.generator,
                                           with_raw_log_prob=self.return_raw_log_prob)  # fmt: skip
+        if action.device.type != "cpu":  # the env's state is on the host: one device-to-host copy per step
+            action, logp, raw = _to_host(action, logp, raw)
         tensordict.set(keys.ACTION, action)
         tensordict.set(keys.ACTION_LOG_PROB, logp)
         if self._version_tensor is None or self._version_stamped != self.version:
@@ -118,6 +128,12 @@ class TransformersPolicy(TensorDictModuleBase):
         if self.return_raw_log_prob:
             tensordict.set(keys.RAW_LOG_PROB, raw)
         return tensordict
+
+    def _check_placement(self) -> None:
+        device = input_device(self.model)
+        if device != self.cache.device:
+            raise ValueError(f"TransformersPolicy was built with its model on {self.cache.device}, the model is now on "
+                             f"{device}: build the policy after moving the model (model.to({str(device)!r}))")  # fmt: skip
 
     # -- teacher-forced log-probs --
     @torch.no_grad()
@@ -132,13 +148,14 @@ class TransformersPolicy(TensorDictModuleBase):
 
         actor = SequenceActor(self.model, pad_token_id=self.env.tokenizer.pad_token_id,
                               temperature=self.sampling.temperature)  # fmt: skip
-        logp = actor.logits(batch).log_softmax(-1)  # (N, T, V)
-        mask = batch.get(keys.MASK)
-        picked = logp.gather(-1, batch.get(keys.ACTION)[..., None]).squeeze(-1) * mask
+        logp = actor.logits(batch).log_softmax(-1)  # (N, T, V) on the model's device
+        mask = batch.get(keys.MASK).to(logp.device)
+        picked = logp.gather(-1, batch.get(keys.ACTION).to(logp.device)[..., None]).squeeze(-1) * mask
+        home = batch.get(keys.ACTION).device  # what comes back is on the batch's device
         if not with_entropy:
-            return picked
+            return picked.to(home)
         entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1) * mask  # -inf logits (padding, banned): p log p = 0
-        return picked, entropy
+        return picked.to(home), entropy.to(home)
 
     # -- whole waves (generate-then-unroll) --
     @torch.no_grad()
@@ -148,6 +165,7 @@ class TransformersPolicy(TensorDictModuleBase):
         Sampling goes through the same :func:`sample_tokens` and generator as stepping, so a wave is
         token-for-token what stepping would produce from the same state.
         """
+        self._check_placement()
         n = len(request)
         lengths = torch.tensor([len(p) for p in request.prompts], dtype=torch.int64)
         width = int(lengths.max())
@@ -156,19 +174,23 @@ class TransformersPolicy(TensorDictModuleBase):
         for i, ids in enumerate(request.prompts):  # one copy per sequence and wave, never per step
             prompts[i, width - len(ids) :] = ids
             mask[i, width - len(ids) :] = 1
+        packed = torch.stack([prompts, mask]).to(self.cache.device, non_blocking=True)  # one host-to-device copy
+        prompts, mask = packed[0], packed[1]
         sampler = _SamplingProcessor(self.sampling, self.generator, with_raw=self.return_raw_log_prob)
         self.model.generate(
             input_ids=prompts, attention_mask=mask, max_new_tokens=int(request.max_new_tokens.max()),
             do_sample=False, logits_processor=LogitsProcessorList([sampler]), eos_token_id=list(request.eos_token_ids),
             pad_token_id=self.env.tokenizer.pad_token_id, num_beams=1, use_cache=True,
         )  # fmt: skip
-        actions, logp = torch.stack(sampler.actions, dim=1), torch.stack(sampler.log_probs, dim=1)
+        actions, logp = torch.stack(sampler.actions, dim=1), torch.stack(sampler.log_probs, dim=1)  # (B, T)
+        raw = torch.stack(sampler.raw_log_probs, dim=1) if self.return_raw_log_prob else None
+        if actions.device.type != "cpu":  # the wave's rows go to the host in one copy
+            actions, logp, raw = _to_host(actions, logp, raw)
         T = actions.shape[1]
         is_eos = torch.isin(actions, torch.tensor(request.eos_token_ids, dtype=torch.int64))
         first_eos = torch.where(is_eos, torch.arange(T), T).min(1).values
         out_len = torch.minimum(torch.minimum(first_eos + 1, torch.full_like(first_eos, T)), request.max_new_tokens)
-        return WaveResult(actions=actions, lengths=out_len, log_probs=logp,
-                          raw_log_probs=torch.stack(sampler.raw_log_probs, dim=1) if self.return_raw_log_prob else None,
+        return WaveResult(actions=actions, lengths=out_len, log_probs=logp, raw_log_probs=raw,
                           version=self.version)  # fmt: skip
 
     # -- the TokenPolicy protocol --
@@ -213,18 +235,40 @@ class TransformersPolicy(TensorDictModuleBase):
         the last bits, and a resumed run must yield exactly what the uninterrupted one would have.
         ``include_cache=False`` leaves it out (for a real model it is gigabytes): resume re-prefills.
         """
-        out = {"generator": self.generator.get_state(), "version": self.version}
+        out = {"generator": self.generator.get_state(), "generator_device": generator_device(self.generator),
+               "version": self.version}  # fmt: skip
         if include_cache:
             out["cache"] = self.cache.state_dict()
         return out
 
     def load_collection_state(self, state: dict) -> None:
-        """Restore :meth:`collection_state` (without a saved cache, every live slot is re-prefilled)."""
-        self.generator.set_state(state["generator"])
+        """Restore :meth:`collection_state` (without a saved cache, every live slot is re-prefilled).
+
+        The generator's state belongs to the device it ran on: a checkpoint of a policy on CUDA loads into a policy
+        on CUDA (load the file with ``torch.load(path, map_location="cpu", weights_only=True)`` where the checkpoint's
+        tensors must not land on a GPU; the KV cache goes back to the model's device).
+        """
+        saved, mine = state.get("generator_device", "cpu"), generator_device(self.generator)
+        if saved != mine:
+            raise ValueError(f"this checkpoint's sampling generator ran on {saved}, this policy samples on {mine}: "
+                             f"resume on a {saved} model (the same seed draws other tokens on another device), or "
+                             "start a new run with set_seed()")  # fmt: skip
+        self.generator.set_state(state["generator"].cpu())
         self.version = int(state["version"])
         self.reset_cache()
         if state.get("cache") is not None:
             self.cache.load_state_dict(state["cache"])
+
+
+def _to_host(action: torch.Tensor, logp: torch.Tensor, raw: torch.Tensor | None):
+    """``action``, ``logp`` and ``raw`` copied to the host with one host synchronization and no kernel: the log-probs
+    go first, without waiting, into pinned memory; the ids' blocking copy then waits for the stream, theirs included."""
+    floats = [logp] if raw is None else [logp, raw]
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in floats]
+    for host, t in zip(pinned, floats, strict=True):
+        host.copy_(t, non_blocking=True)
+    action = action.cpu()  # the step's one synchronization
+    return action, pinned[0], None if raw is None else pinned[1]
 
 
 class _SamplingProcessor(LogitsProcessor):

@@ -46,7 +46,7 @@ def _public_packages() -> list[str]:
 # (``tokengym.errors`` first); test/test_public_surface.py checks that there is only one, the top level aside.
 PACKAGES = _public_packages()
 # Public modules documented whole (constants without ``__all__``), and the top level (links to the homes).
-MODULES = ["tokengym.llm_envs.keys", "tokengym.collectors.sinks"]
+MODULES = ["tokengym.llm_envs.keys", "tokengym.llm_envs.devices", "tokengym.collectors.sinks"]
 TOP = "tokengym"
 # Types that public signatures and docstrings name but no ``__all__`` exports: documented on the page of the
 # package they belong to, under their defining module's path.

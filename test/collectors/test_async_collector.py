@@ -50,7 +50,13 @@ def _assert_log_probs_exact(batch, published, env):
 
 @pytest.mark.parametrize("in_flight", ["continue", "drop"])
 def test_bounded_staleness_and_interruptible_generation(tokenizer, trainer_model, in_flight):
-    inner = make_collector(tokenizer, trainer_model, in_flight=in_flight)
+    def slow_reward(responses, prompts, metadata):  # a collector slower than the trainer: updates land mid-batch
+        time.sleep(0.01)
+        return [0.0] * len(responses)
+
+    # (with a collector faster than the trainer, it waits at the bound with its slots in flight, and a trajectory
+    # that goes on after an update is handed out one update too late: stale, dropped whole, no spans to see)
+    inner = make_collector(tokenizer, trainer_model, in_flight=in_flight, reward=slow_reward)
     published = {0: copy.deepcopy(trainer_model)}
     spans = 0
     with AsyncCollector(inner, max_staleness=1) as collector:

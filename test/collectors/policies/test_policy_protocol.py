@@ -237,8 +237,8 @@ def test_state_dict_of_a_module_policy_is_its_weights(make_env, make_policy, mod
     assert policy.state_dict().keys() == {f"model.{k}" for k in model.state_dict()}
     policy(env.reset())
     state = policy.collection_state()
-    assert set(state) == {"generator", "version", "cache"} and set(policy.collection_state(include_cache=False)) == {
-        "generator", "version"}  # fmt: skip
+    assert set(state) == {"generator", "generator_device", "version", "cache"}
+    assert set(policy.collection_state(include_cache=False)) == {"generator", "generator_device", "version"}
     ref = StepwiseReference(model, env)
     assert ref.state_dict().keys() == {f"model.{k}" for k in model.state_dict()}
     assert set(ref.collection_state()) == {"cache"}

@@ -131,3 +131,13 @@ def test_banned_ids_tensor_is_built_once():
     assert SamplingConfig().banned_ids(torch.device("cpu")) is None
     with pytest.raises(ValueError, match=r"banned_token_ids must be token ids >= 0, got -4"):
         SamplingConfig(banned_token_ids=(3, -4))
+
+
+def test_a_large_vocabulary_draw_after_one_under_inference_mode():
+    """The reused (B, V) scratch buffer is an ordinary tensor even when first allocated under inference mode."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 20_000)
+    with torch.inference_mode():
+        first, _, _ = sample_tokens(logits, SamplingConfig(), gen)
+    again, logp, _ = sample_tokens(logits, SamplingConfig(), gen)  # outside: writes into the same buffer
+    assert first.shape == again.shape == (3,) and bool((logp <= 0).all())

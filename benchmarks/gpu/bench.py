@@ -1,0 +1,326 @@
+"""tokengym on a GPU: stepwise collection against a hand-written KV-cache loop and ``generate``, host syncs per env
+step, peak memory and one GRPO iteration, in one run; writes ``OUT/gpu_bench.md`` and ``OUT/gpu_bench.json``.
+
+    python benchmarks/gpu/bench.py --device cuda --size real --out DIR [--quick] [--sections throughput,syncs]
+    python benchmarks/gpu/bench.py --device cpu --size tiny --out DIR      # the dry run (CUDA-only numbers: n/a)
+
+Every contestant samples the full vocabulary at temperature 1 with tokengym's ``sample_tokens`` and counts only
+real tokens. Contestants run interleaved (every round runs each once, order rotated per round; one warm-up round
+not counted); tokens/s is the median over the rounds, a ratio the median of the per-round ratios. Each section
+records its error in the table instead of stopping the run, and the files are rewritten after every section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import _contestants as cs  # this folder is sys.path[0] when run as a script
+import torch
+
+SIZES = {  # B of the throughput runs (the first is the main one), new tokens, GRPO and sync-count shapes
+    "real": {"batch_sizes": (64, 8, 256), "wave_sizes": (64, 256), "new_tokens": 256,
+             "grpo": (8, 8, 256), "syncs": (64, 64, 8), "budget_s": 230.0},
+    "tiny": {"batch_sizes": (8, 4), "wave_sizes": (8,), "new_tokens": 16,
+             "grpo": (2, 4, 16), "syncs": (8, 32, 4), "budget_s": None},
+}  # fmt: skip
+QUICK = {"real": {"batch_sizes": (64,), "wave_sizes": (64,), "grpo": (8, 8, 64)}, "tiny": {}}
+SECTIONS = ("throughput", "syncs", "memory", "grpo")
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+class Context:
+    """The run's settings, model and results; ``sync()`` waits for the device before a clock is read."""
+
+    def __init__(self, args) -> None:
+        self.args, self.device = args, torch.device(args.device)
+        self.is_cuda = self.device.type == "cuda"
+        plan = {**SIZES[args.size], **(QUICK[args.size] if args.quick else {})}
+        if args.batch_sizes:
+            plan["batch_sizes"] = tuple(int(b) for b in args.batch_sizes.split(","))
+        self.plan, self.rounds = plan, args.rounds
+        self.new_tokens = args.new_tokens or plan["new_tokens"]
+        budget = args.budget_s if args.budget_s is not None else plan["budget_s"]
+        self.deadline = None if budget is None else T0 + budget
+        self.rows: list[dict] = []
+        self.raw: dict = {}
+        self.times: dict[str, float] = {}
+        self.run_seconds: float | None = None  # seconds of one contestant run at the main B (for the budget)
+        self.header: dict = {}
+        self.tok = self.model = None
+
+    def sync(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def job(self, B: int, new_tokens: int | None = None) -> cs.Job:
+        return cs.Job(self.tok, self.model, self.device, B, new_tokens or self.new_tokens)
+
+    def add(self, section: str, measure: str, B=None, value=None, baseline=None, ratio=None, goal: str = "",
+            met: bool | None = None, note: str = "") -> None:  # fmt: skip
+        self.rows.append({"section": section, "measure": measure, "B": B, "value": value, "baseline": baseline,
+                          "ratio": ratio, "goal": goal, "met": met, "note": note})  # fmt: skip
+
+    def free(self) -> None:
+        gc.collect()
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
+
+def _cell(x) -> str:
+    if x is None:
+        return ""
+    if isinstance(x, float):
+        return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+    return str(x)
+
+
+def markdown(ctx: Context) -> str:
+    h = ctx.header
+    lines = ["# tokengym GPU benchmark", ""] + [f"- {k}: {v}" for k, v in h.items()] + [""]
+    lines += ["| section | measure | B | value | baseline | ratio | goal |", "|---|---|---|---|---|---|---|"]
+    order = {s: i for i, s in enumerate(("build", *SECTIONS))}
+    for r in sorted(ctx.rows, key=lambda r: (order.get(r["section"], 9), r["B"] or 0)):
+        goal = r["goal"] + ("" if r["met"] is None else (" (met)" if r["met"] else " (MISSED)"))
+        value = _cell(r["value"]) + (f" {r['note']}" if r["note"] else "")
+        lines.append(f"| {r['section']} | {r['measure']} | {_cell(r['B'])} | {value} | {_cell(r['baseline'])} "
+                     f"| {_cell(r['ratio'])} | {goal} |")  # fmt: skip
+    lines += ["", "Section times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in ctx.times.items()), ""]
+    return "\n".join(lines)
+
+
+def write(ctx: Context) -> str:
+    out = Path(ctx.args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = markdown(ctx)
+    (out / "gpu_bench.md").write_text(md)
+    data = {"header": ctx.header, "rows": ctx.rows, "section_seconds": ctx.times, "raw": ctx.raw}
+    (out / "gpu_bench.json").write_text(json.dumps(data, indent=1, default=str))
+    return md
+
+
+def header(ctx: Context, model_text: str) -> dict:
+    import tensordict
+    import torchrl
+    import transformers
+
+    gpu, driver = "none (CPU)", "n/a"
+    if ctx.is_cuda:
+        gpu = torch.cuda.get_device_name(ctx.device)
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]  # fmt: skip
+        except (OSError, IndexError, subprocess.SubprocessError) as err:
+            driver = f"unknown ({type(err).__name__})"
+    p = ctx.plan
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "GPU": gpu, "driver": driver,
+        "versions": f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+                    f"transformers {transformers.__version__}, tensordict {tensordict.__version__}, "
+                    f"torchrl {torchrl.__version__}",
+        "model": model_text, "dtype": str(next(ctx.model.parameters()).dtype).removeprefix("torch."),
+        "sizes": f"B {list(p['batch_sizes'])} (waves at {list(p['wave_sizes'])}), {ctx.new_tokens} new tokens, "
+                 f"prompts ~{cs.PROMPT_TOKENS} tokens, {ctx.rounds} rounds + 1 warm-up, interleaved; "
+                 f"GRPO {p['grpo'][0]} prompts x {p['grpo'][1]}, {p['grpo'][2]} new tokens; syncs B {p['syncs'][0]}, "
+                 f"{p['syncs'][1]} steps, max_new_tokens {p['syncs'][2]}",
+        "sampling": "temperature 1, full vocabulary, tokengym sample_tokens (every contestant)",
+        "command": " ".join(sys.argv), "quick": ctx.args.quick, "threads": torch.get_num_threads(),
+    }  # fmt: skip
+
+
+def run_section(ctx: Context, name: str, fn, *args) -> None:
+    """Run one section; its error becomes a row, and the files are written whatever happened."""
+    log(f"section {name}: start")
+    t = time.perf_counter()
+    try:
+        fn(ctx, *args)
+    except Exception as err:  # one section's failure must not lose the others' numbers
+        traceback.print_exc()
+        ctx.add(name.split()[0], "error", B=args[0] if args else None, value=cs.error_text(err))
+    finally:
+        ctx.free()
+    ctx.times[name] = time.perf_counter() - t
+    log(f"section {name}: {ctx.times[name]:.1f} s")
+    write(ctx)
+
+
+# -- sections: each adds rows to ctx --
+PAIRS = [("stepwise", "hand loop"), ("stepwise", "generate"), ("waves", "generate"), ("hand loop", "generate")]
+GIB = 2**30
+
+
+def throughput(ctx: Context, B: int) -> None:
+    """Tokens/s of the contestants at batch size B, interleaved, and the ratios of the pairs."""
+    job, main_b = ctx.job(B), ctx.plan["batch_sizes"][0]
+    names = ["hand loop", "stepwise", "generate"] + (["waves"] if B in ctx.plan["wave_sizes"] else [])
+    runs, errors = {}, {}
+    for name in names:
+        try:
+            runs[name] = cs.CONTESTANTS[name](job)
+        except Exception as err:
+            traceback.print_exc()
+            errors[name] = cs.error_text(err)
+    rates, run_errors, seconds = cs.interleaved(runs, ctx.rounds, ctx.sync, log)
+    errors.update(run_errors)
+    if B == main_b and seconds:
+        ctx.run_seconds = statistics.median(seconds)
+    ctx.raw[f"throughput B={B}"] = {"tokens_per_s": rates, "errors": errors, "run_seconds": seconds}
+    med = {n: statistics.median(v) for n, v in rates.items() if v}
+    for a, b in PAIRS:
+        if a not in names or b not in names:
+            continue
+        goal = ">= 0.95" if (a, b) == ("waves", "generate") or ((a, b) == ("stepwise", "hand loop") and B == main_b) else ""
+        if a in med and b in med:
+            ratio = statistics.median(x / y for x, y in zip(rates[a], rates[b], strict=False))
+            ctx.add("throughput", f"{a} / {b} (tok/s)", B, med[a], med[b], ratio, goal, (ratio >= 0.95) if goal else None)
+        else:
+            why = "; ".join(f"{n}: {errors[n]}" for n in (a, b) if n in errors) or "no timed round"
+            ctx.add("throughput", f"{a} / {b} (tok/s)", B, "error", goal=goal, note=why)
+
+
+def syncs(ctx: Context, B: int) -> None:
+    """Synchronizing CUDA operations per env step of a hand-driven env + policy (refill steps apart)."""
+    B_, steps, max_new = ctx.plan["syncs"]
+    out = cs.count_syncs(ctx.job(B_, max_new), steps)
+    ctx.raw["syncs"] = out
+    for kind, goal in (("no_refill", "<= 1"), ("refill", "")):
+        s = out[kind]
+        what = f"host syncs / env step, {kind.replace('_', '-')} steps (n={s['steps']})"
+        if not ctx.is_cuda:
+            ctx.add("syncs", what, B_, "n/a", goal=goal, note="(CPU)")
+        elif s["median"] is None:
+            ctx.add("syncs", what, B_, "none", goal=goal)
+        else:
+            where = ", ".join(f"{site} x{n}" for site, n in out.get(f"sites_{kind}", [])[:3])
+            note = f"(policy {s['median_policy']:g} + env {s['median_env']:g}; max {s['max']}; at {where or '-'})"
+            ctx.add("syncs", what, B_, float(s["median"]), goal=goal,
+                    met=(s["median"] <= 1) if goal else None, note=note)  # fmt: skip
+    hand = out["hand_loop"]
+    what = f"host syncs / step, hand loop reference ({hand['steps']} steps, prefill included)"
+    if ctx.is_cuda:
+        ctx.add("syncs", what, B_, hand["syncs"] / max(hand["steps"], 1), note=f"({hand['syncs']} in all)")
+    else:
+        ctx.add("syncs", what, B_, "n/a", note="(CPU)")
+
+
+def memory(ctx: Context, B: int) -> None:
+    """Peak GPU memory of one stepwise batch (env, policy and collector built fresh) against one hand-loop run."""
+    job, peaks = ctx.job(B), {}
+    for name in ("hand loop", "stepwise"):
+        peaks[name] = cs.peak_memory(cs.CONTESTANTS[name], job, ctx.sync)
+        ctx.free()
+    ctx.raw["memory"] = peaks
+    if not ctx.is_cuda:
+        ctx.add("memory", "peak memory stepwise / hand loop", B, "n/a", goal="<= 1.10", note="(CPU)")
+        return
+    (sp, sb), (hp, hb) = peaks["stepwise"], peaks["hand loop"]
+    ctx.add("memory", "peak allocated, GiB: stepwise / hand loop", B, sp / GIB, hp / GIB, sp / hp, "<= 1.10",
+            sp / hp <= 1.10)  # fmt: skip
+    ctx.add("memory", "peak above the weights, GiB: stepwise / hand loop", B, (sp - sb) / GIB, (hp - hb) / GIB,
+            (sp - sb) / max(hp - hb, 1), "<= 1.10", (sp - sb) / max(hp - hb, 1) <= 1.10)  # fmt: skip
+
+
+def grpo(ctx: Context, B: int) -> None:
+    """One GRPO iteration: collect seconds, train seconds, peak memory."""
+    n_prompts, group, new_tokens = ctx.plan["grpo"]
+    out = None
+    try:
+        out = cs.grpo_iteration(ctx.job(n_prompts * group, new_tokens), group, ctx.sync)
+    except torch.OutOfMemoryError as err:  # the numbers of a shorter iteration say more than the error alone
+        if new_tokens <= 64:
+            raise
+        traceback.print_exc()
+        ctx.add("grpo", f"error ({new_tokens} new tokens)", n_prompts * group, cs.error_text(err))
+    if out is None:  # retried here, not in the except block: its traceback would hold the tensors that filled memory
+        ctx.free()
+        new_tokens = 64
+        log("grpo: out of memory; again with 64 new tokens")
+        out = cs.grpo_iteration(ctx.job(n_prompts * group, new_tokens), group, ctx.sync)
+    ctx.raw["grpo"] = out
+    shape = f"({n_prompts} x {group}, {new_tokens} new tokens)"
+    ctx.add("grpo", f"collect s {shape}", n_prompts * group, out["collect_s"], note=f"({out['tokens']} tokens)")
+    ctx.add("grpo", "train s (advantage, to_padded, to device, GRPOLoss, backward, AdamW, update)", n_prompts * group,
+            out["train_s"], note=f"(padded {out['padded_shape']}, loss {out['loss']:.3g}, "
+            f"train(device=) {'yes' if out['train_has_device'] else 'no: moved in prepare'})")  # fmt: skip
+    peak = "n/a" if out["peak_bytes"] is None else out["peak_bytes"] / GIB
+    ctx.add("grpo", "peak allocated, GiB", n_prompts * group, peak)
+
+
+def fits_budget(ctx: Context, B: int) -> bool:
+    """Whether a throughput run at B would end before the deadline (estimated from the main B's runs)."""
+    if ctx.deadline is None or ctx.run_seconds is None:
+        return True
+    runs = (ctx.rounds + 1) * (4 if B in ctx.plan["wave_sizes"] else 3)
+    need = ctx.run_seconds * runs * (1.5 if B > ctx.plan["batch_sizes"][0] else 1.0)
+    left = ctx.deadline - time.perf_counter()
+    if need <= left:
+        return True
+    log(f"throughput B={B} skipped: needs ~{need:.0f} s, {left:.0f} s left of the budget")
+    ctx.add("throughput", "skipped (time budget)", B, f"needs ~{need:.0f} s, {max(left, 0):.0f} s left")
+    return False
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", choices=sorted(SIZES), default="real")
+    parser.add_argument("--out", required=True, help="folder for gpu_bench.md and gpu_bench.json")
+    parser.add_argument("--quick", action="store_true", help="B=64 only and a shorter GRPO iteration")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per throughput B (>= 3 for a median)")
+    parser.add_argument("--batch-sizes", default=None, help="throughput B list, the main one first (e.g. 64,8,256)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per sequence in throughput runs")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="skip the throughput runs at extra B that would end past this many seconds")  # fmt: skip
+    args = parser.parse_args(argv)
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; pick from {SECTIONS}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ctx = Context(args)
+    if not ctx.is_cuda:
+        torch.set_num_threads(1)
+    wanted = args.sections.split(",")
+    t = time.perf_counter()
+    ctx.tok, ctx.model, model_text = cs.build_model(args.size, ctx.device)
+    ctx.sync()
+    ctx.times["build"] = time.perf_counter() - t
+    ctx.header = header(ctx, model_text)
+    log(f"model built in {ctx.times['build']:.1f} s: {model_text} on {ctx.header['GPU']}")
+    write(ctx)
+    main_b, *extra_b = ctx.plan["batch_sizes"]
+    if "throughput" in wanted:
+        run_section(ctx, f"throughput B={main_b}", throughput, main_b)
+    for name in ("syncs", "memory", "grpo"):
+        if name in wanted:
+            run_section(ctx, name, {"syncs": syncs, "memory": memory, "grpo": grpo}[name], main_b)
+    for B in extra_b if "throughput" in wanted else ():
+        if fits_budget(ctx, B):
+            run_section(ctx, f"throughput B={B}", throughput, B)
+    md = write(ctx)
+    print(md)
+    log(f"done in {time.perf_counter() - T0:.1f} s; wrote {Path(args.out) / 'gpu_bench.md'} and gpu_bench.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
