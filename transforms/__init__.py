@@ -46,6 +46,7 @@ from tokengym.transforms.sequences import (
     sequence_log_probs,
     step_log_probs,
 )
+from tokengym.transforms.shared_prefix import SharedPrefixLayout, to_shared_prefix
 from tokengym.transforms.trajectories import split_trajectories
 from tokengym.transforms.turn_discount import TurnDiscount
 from tokengym.transforms.weighted_loss import LossAggregation, WeightedLoss
@@ -53,6 +54,7 @@ from tokengym.transforms.weighted_loss import LossAggregation, WeightedLoss
 __all__ = [
     "decode",
     "SequenceLayout",
+    "SharedPrefixLayout",
     "sequence_layout",
     "AdaptiveKLController",
     "AdvantageEstimator",
@@ -98,5 +100,6 @@ __all__ = [
     "split_trajectories",
     "step_log_probs",
     "to_packed",
+    "to_shared_prefix",
     "to_padded",
 ]

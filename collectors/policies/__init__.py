@@ -13,6 +13,7 @@ in ``tokengym.collectors``.
 from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies.kv_cache import SlotKVCache
 from tokengym.collectors.policies.lora import AdaptersDisabled, adapter_weights, merged_weights
+from tokengym.collectors.policies.prefix_store import PrefixStore
 from tokengym.collectors.policies.protocol import (
     StepPolicy,
     TokenPolicy,
@@ -27,6 +28,7 @@ from tokengym.collectors.policies.protocol import (
 from tokengym.collectors.policies.reference_policy import PolicyWithReference, StepwiseReference
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
 from tokengym.collectors.policies.sequence_actor import MaskedCategorical, PaddedSequenceActor, SequenceActor
+from tokengym.collectors.policies.shared_prefix_actor import SharedPrefixActor
 from tokengym.collectors.policies.transformers_policy import TransformersPolicy
 from tokengym.collectors.policies.vllm_policy import VLLMPolicy
 from tokengym.collectors.policies.vllm_server import LocalVLLMServer
@@ -40,7 +42,9 @@ __all__ = [
     "RequestRejected",
     "SamplingConfig",
     "SequenceActor",
+    "SharedPrefixActor",
     "SlotKVCache",
+    "PrefixStore",
     "StepPolicy",
     "StepwiseReference",
     "TokenPolicy",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from tokengym.collectors.policies.prefix_store import DEFAULT_PREFIX_CACHE_BYTES, PrefixStore
 from tokengym.llm_envs.devices import input_device
 
 __all__ = ["SlotKVCache"]
@@ -46,8 +47,12 @@ class SlotKVCache:
         torch.Size([2, 512])
     """
 
-    def __init__(self, model, batch_size: int) -> None:
+    def __init__(self, model, batch_size: int, *, share_prefixes: bool = True,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:  # fmt: skip
         self.model, self.batch_size = model, batch_size
+        self.share_prefixes = bool(share_prefixes)
+        self.prefixes = PrefixStore(prefix_cache_bytes if share_prefixes else 0)
+        """Prompts prefilled lately, for the later samples of their groups (:class:`PrefixStore`)."""
         self.device = input_device(model)  # where the ids, positions and mask go (keys/values: each layer's device)
         # one DynamicCache lives across steps: rebuilding it per step would copy every layer's KV
         self.cache = self._new_cache(self._empty_layers(batch_size))
@@ -119,13 +124,40 @@ class SlotKVCache:
 
     @torch.inference_mode()
     def _refill(self, rows: torch.Tensor, tokens: torch.Tensor, seq_len: torch.Tensor, active: torch.Tensor) -> None:
-        """Start ``rows`` over with the prefixes ``tokens[row, : seq_len - 1]``, in one forward over those rows."""
+        """Start ``rows`` over with the prefixes ``tokens[row, : seq_len - 1]``.
+
+        Rows with the same prefix (a group's samples) share it: one row of each is prefilled, in one forward over
+        those rows, and the others copy its cache rows (:meth:`copy_rows`); a prefix the :class:`PrefixStore` holds
+        (an earlier sample of the group) is written from there, without a forward.
+        """
         self.length[rows] = 0
         lens = seq_len[rows] - 1  # (n,) tokens to prefill; the last one is fed by decode
         width = int(lens.max())
         # the columns any live slot still needs; the refilled rows need `width`
         keep = max(int(torch.where(active, self.length, 0).max()), width)
         self._resize(keep)
+        self.mask.index_fill_(0, rows.to(self.device, non_blocking=True), 0)  # not `mask[rows] = 0`: a host scalar
+        if width == 0:  # one-token prompts: nothing to prefill                 # copied to the device waits for it
+            return
+        groups = _by_prefix(rows, lens, tokens) if self.share_prefixes else {(r,): [r] for r in rows.tolist()}
+        held = {ids: self.prefixes.get(ids) for ids in groups}  # before any put can evict one
+        first = [members[0] for ids, members in groups.items() if held[ids] is None]
+        if first:
+            at = torch.isin(rows, torch.tensor(first))
+            self._prefill(rows[at], lens[at], tokens, keep)
+        for ids, members in groups.items():
+            if held[ids] is not None:
+                self._write_prefix(members, held[ids], keep)
+                self.prefixes.hits += len(members)
+            elif self.share_prefixes:
+                self.prefixes.put(ids, self._row_kv(members[0]))
+        pairs = [(members[0], r) for members in groups.values() for r in members[1:] if members[0] in first]
+        if pairs:
+            self.copy_rows(*(torch.tensor(side, dtype=torch.int64) for side in zip(*pairs, strict=True)))
+
+    def _prefill(self, rows: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor, keep: int) -> None:
+        """Prefill ``rows`` with ``tokens[row, :lens]`` in one forward, right-aligned into the last columns."""
+        width = int(lens.max())
         # the rows, the right-aligned prefixes and their mask in one host-to-device copy
         cols = torch.arange(width)
         seg_mask = cols[None, :] >= (width - lens)[:, None]  # (n, width) each prefix right-aligned
@@ -133,7 +165,6 @@ class SlotKVCache:
         ids = torch.where(seg_mask, tokens[rows[:, None], src], 0)
         packed = torch.cat([rows[:, None], ids, seg_mask.long()], 1).to(self.device, non_blocking=True)
         rows_d, ids, seg_mask = packed[:, 0], packed[:, 1 : width + 1], packed[:, width + 1 :]
-        self.mask.index_fill_(0, rows_d, 0)  # not `mask[rows] = 0`: a host scalar copied to the device waits for it
         self.length[rows] = lens
         if width == 0:  # one-token prompts: nothing to prefill
             return
@@ -147,6 +178,48 @@ class SlotKVCache:
             k[at, :, start:] = layer.keys
             v[at, :, start:] = layer.values
         self.mask[rows_d, start:] = seg_mask
+
+    def _row_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the keys and values (H, length, D) of ``row``'s cached tokens, per layer."""
+        n = int(self.length[row])
+        return [(k[row, :, self.columns - n :].clone(), v[row, :, self.columns - n :].clone()) for k, v in self.kv]
+
+    def _write_prefix(self, rows: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], keep: int) -> None:
+        """Write a held prompt's keys and values into the last columns of ``rows``."""
+        n = kv[0][0].shape[1]
+        at = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        for (k, v), (pk, pv) in zip(self.kv, kv, strict=True):
+            here = at.to(k.device, non_blocking=True)
+            k[here, :, keep - n :] = pk
+            v[here, :, keep - n :] = pv
+        self.mask[:, keep - n :].index_fill_(0, at, 1)
+        self.length[rows] = n
+
+    @torch.inference_mode()
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, upto: torch.Tensor | None = None) -> None:
+        """Copy the cached tokens of rows ``src`` into rows ``dst`` (host int64 (n,)): the first ``upto`` tokens of
+        each (default: all it holds), right-aligned as every row is; what ``dst`` held is dropped.
+
+        The primitive a group's samples share their prompt with (and a sequence forks with: the branch keeps the
+        parent's first ``upto`` tokens). A copy costs one gather of the rows' columns per layer, no forward.
+        """
+        upto = self.length[src].clone() if upto is None else upto.to(torch.int64)
+        if bool((upto > self.length[src]).any()) or bool((upto < 0).any()):
+            raise ValueError(f"copy_rows: upto {upto.tolist()} must be within the source rows' cached tokens "
+                             f"{self.length[src].tolist()}")  # fmt: skip
+        C = self.columns
+        cols = torch.arange(C)
+        # source token t sits at column C - length + t; its copy at C - upto + t: a shift of length - upto columns
+        index = (cols[None, :] - (self.length[src] - upto)[:, None]).clamp_(min=0)  # (n, C)
+        kept = (cols[None, :] >= (C - upto)[:, None]).long()
+        packed = torch.cat([src[:, None], dst[:, None], index, kept], 1).to(self.device, non_blocking=True)
+        src_d, dst_d, index, kept = packed[:, 0], packed[:, 1], packed[:, 2 : C + 2], packed[:, C + 2 :]
+        for k, v in self.kv:
+            here, order = (src_d.to(k.device), dst_d.to(k.device)), _expand(index.to(k.device), k)
+            k[here[1]] = k[here[0]].gather(2, order)
+            v[here[1]] = v[here[0]].gather(2, order)
+        self.mask[dst_d] = kept
+        self.length[dst] = upto
 
     def _resize(self, keep: int) -> None:
         """Make the cache ``keep`` columns wide: drop the first columns (a view) or prepend holes (a copy)."""
@@ -267,12 +340,14 @@ class SlotKVCache:
         self.length = torch.zeros_like(self.length)
         self.traj = torch.full_like(self.traj, -1)
         self._seen = (None, None)
+        self.prefixes.clear()  # held prompts: their keys and values belong to the old weights
 
     # -- checkpoints --
     def state_dict(self) -> dict:
         """Keys, values, mask, lengths and trajectory ids (clones), for checkpoints."""
         return {"kv": [(k.clone(), v.clone()) for k, v in self.kv], "mask": self.mask.clone(),
-                "length": self.length.clone(), "traj": self.traj.clone()}  # fmt: skip
+                "length": self.length.clone(), "traj": self.traj.clone(),
+                "prefixes": self.prefixes.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (of a cache with the same number of slots)."""
@@ -285,6 +360,7 @@ class SlotKVCache:
         self.mask = state["mask"].to(self.device, copy=True)
         self.length, self.traj = state["length"].to("cpu", copy=True), state["traj"].to("cpu", copy=True)
         self._seen = (None, None)
+        self.prefixes.load_state_dict(state.get("prefixes", []), [(k.device, v.device) for k, v in self.kv])
 
     def nbytes(self) -> int:
         """Bytes held by keys and values."""
@@ -294,3 +370,11 @@ class SlotKVCache:
 def _expand(order: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """Column indices (B, C') expanded to gather keys or values (B, H, C', D)."""
     return order[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3])
+
+
+def _by_prefix(rows: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor) -> dict[tuple[int, ...], list[int]]:
+    """The refilled rows grouped by their prefix ids, in row order (a group's samples share one prompt)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, n in zip(rows.tolist(), lens.tolist(), strict=True):
+        groups.setdefault(tuple(tokens[row, :n].tolist()), []).append(row)
+    return groups

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from tokengym.collectors.policies._lora_sync import AdapterSpec, check_not_adapter, tensor_bytes
 from tokengym.collectors.policies.kv_cache import SlotKVCache
 from tokengym.collectors.policies.lora import is_lora_model, merged_weights
+from tokengym.collectors.policies.prefix_store import DEFAULT_PREFIX_CACHE_BYTES
 from tokengym.collectors.policies.protocol import Weights, check_fits_env, weights_of
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
 from tokengym.llm_envs import keys
@@ -50,6 +51,11 @@ class TransformersPolicy(TensorDictModuleBase):
         sampling: a :class:`SamplingConfig`.
         seed: seed of the sampling generator.
         return_raw_log_prob: also write ``keys.RAW_LOG_PROB`` (model log-prob at temperature 1).
+        share_prefixes: compute a shared prompt once: slots refilled together with the same prompt (a group's
+            samples) prefill it once and copy the cache rows, a wave prefills each distinct prompt once; False
+            prefills every row.
+        prefix_cache_bytes: bytes of recent prompts' keys and values kept for the later samples of their groups
+            (slots refilled at different times); 0 keeps none.
 
     Example:
         >>> from tokengym.llm_envs import TokenEnv
@@ -74,6 +80,8 @@ class TransformersPolicy(TensorDictModuleBase):
         sampling: SamplingConfig | None = None,
         seed: int = 0,
         return_raw_log_prob: bool = False,
+        share_prefixes: bool = True,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> None:
         super().__init__()
         if sampling is not None and not isinstance(sampling, SamplingConfig):
@@ -88,6 +96,7 @@ class TransformersPolicy(TensorDictModuleBase):
                        sampling=self.sampling,
                        length_fix="build the env with model_config=model.config (or max_length <= {positions})")  # fmt: skip
         self.return_raw_log_prob = return_raw_log_prob
+        self._sharing = {"share_prefixes": bool(share_prefixes), "prefix_cache_bytes": prefix_cache_bytes}
         if return_raw_log_prob:
             self.out_keys = [*self.out_keys, keys.RAW_LOG_PROB]
         self.adapter = AdapterSpec.of(model) if is_lora_model(model) else None
@@ -104,7 +113,7 @@ class TransformersPolicy(TensorDictModuleBase):
     def reset_cache(self) -> None:
         """Drop every cached slot; the next call prefills all slots from the env's token buffer."""
         if getattr(self, "cache", None) is None:
-            self.cache = SlotKVCache(self.model, self.env.batch_size[0])
+            self.cache = SlotKVCache(self.model, self.env.batch_size[0], **self._sharing)
         else:
             self.cache.clear()  # no new cache: that probes the model for its layer shapes
 
@@ -176,11 +185,13 @@ class TransformersPolicy(TensorDictModuleBase):
             mask[i, width - len(ids) :] = 1
         packed = torch.stack([prompts, mask]).to(self.cache.device, non_blocking=True)  # one host-to-device copy
         prompts, mask = packed[0], packed[1]
+        shared = self._shared_prompts(request.prompts, prompts, mask)  # None: nothing to share
         sampler = _SamplingProcessor(self.sampling, self.generator, with_raw=self.return_raw_log_prob)
         self.model.generate(
             input_ids=prompts, attention_mask=mask, max_new_tokens=int(request.max_new_tokens.max()),
             do_sample=False, logits_processor=LogitsProcessorList([sampler]), eos_token_id=list(request.eos_token_ids),
             pad_token_id=self.env.tokenizer.pad_token_id, num_beams=1, use_cache=True,
+            **({} if shared is None else {"past_key_values": shared}),
         )  # fmt: skip
         actions, logp = torch.stack(sampler.actions, dim=1), torch.stack(sampler.log_probs, dim=1)  # (B, T)
         raw = torch.stack(sampler.raw_log_probs, dim=1) if self.return_raw_log_prob else None
@@ -192,6 +203,27 @@ class TransformersPolicy(TensorDictModuleBase):
         out_len = torch.minimum(torch.minimum(first_eos + 1, torch.full_like(first_eos, T)), request.max_new_tokens)
         return WaveResult(actions=actions, lengths=out_len, log_probs=logp, raw_log_probs=raw,
                           version=self.version)  # fmt: skip
+
+    def _shared_prompts(self, ids: list[torch.Tensor], prompts: torch.Tensor, mask: torch.Tensor) -> DynamicCache | None:
+        """A wave's prompt cache with each distinct prompt prefilled once (all but its last token) and its rows
+        repeated for every sequence of it; ``generate`` then starts from it. ``None`` when every prompt differs."""
+        if not self.cache.share_prefixes or prompts.shape[1] < 2:
+            return None
+        first: dict[tuple[int, ...], int] = {}
+        of = [first.setdefault(tuple(row.tolist()), len(first)) for row in ids]  # (n,) the distinct prompt of each
+        if len(first) == len(of):
+            return None
+        index = torch.tensor([of.index(u) for u in range(len(first))] + of).to(prompts.device, non_blocking=True)
+        rep, of = index[: len(first)], index[len(first) :]
+        head = mask[rep, :-1]
+        sub = DynamicCache(config=self.model.config)
+        self.model(input_ids=prompts[rep, :-1], attention_mask=head, position_ids=(head.cumsum(-1) - 1).clamp(min=0),
+                   past_key_values=sub, logits_to_keep=1)  # fmt: skip
+        shared = DynamicCache(config=self.model.config)
+        for i, layer in enumerate(sub.layers):
+            at = of.to(layer.keys.device)
+            shared.update(layer.keys[at], layer.values[at], i)
+        return shared
 
     # -- the TokenPolicy protocol --
     def update_weights(self, weights: Weights | None = None) -> int:
