@@ -32,7 +32,7 @@ def tokenizer():
 
 
 def _token_env(tokenizer, B: int, L: int) -> tuple[TokenEnv, TensorDict]:
-    env = TokenEnv(PROMPTS, tokenizer, batch_size=B, max_new_tokens=L, max_length=L)
+    env = TokenEnv(PROMPTS, tokenizer, batch_size=B, max_new_tokens=L - 1, max_length=L)  # max_length binds first
     td = env.reset().set(keys.ACTION, torch.full((B,), TOKEN))
     return env, td
 

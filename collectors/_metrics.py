@@ -93,11 +93,15 @@ def sum_counts(parts) -> dict[str, int | float]:
 
 
 def _zero_std_fraction(rewards: torch.Tensor, groups: torch.Tensor) -> float:
-    """Fraction of groups (with 2+ finished samples here) whose rewards are all equal."""
+    """Fraction of the groups of finished samples whose rewards are all equal, a group of one sample included (a
+    group advantage gives it 0, as it gives equal rewards: no signal either way).
+
+    Example:
+        >>> _zero_std_fraction(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5], dtype=torch.float64), torch.tensor([0, 0, 1, 1, 2]))
+        0.6666666666666666
+    """
     _, inverse = groups.unique(return_inverse=True)
     n = int(inverse.max()) + 1
     lo = torch.full((n,), float("inf"), dtype=torch.float64).scatter_reduce(0, inverse, rewards, "amin")
     hi = torch.full((n,), -float("inf"), dtype=torch.float64).scatter_reduce(0, inverse, rewards, "amax")
-    size = torch.zeros(n).scatter_add(0, inverse, torch.ones(len(inverse)))
-    multi = size > 1
-    return float((lo[multi] == hi[multi]).float().mean()) if bool(multi.any()) else 0.0
+    return float((lo == hi).double().mean())

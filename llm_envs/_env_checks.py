@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import torch
@@ -51,6 +53,35 @@ def check_rewards(values, slots: list[int], prompts: list[Prompt]) -> torch.Tens
     return out
 
 
+def check_arguments(fn, role: str, params: tuple[str, ...], returns: str, hint: str = "") -> None:
+    """Refuse at construction a callable ``fn`` that the env could not call as ``role(*params)``: it would raise a
+    ``TypeError`` at the first finished turn. A callable without a readable signature (a builtin) passes.
+
+    Example:
+        >>> check_arguments(lambda responses, prompts: [0.0], "reward_fn", ("responses", "prompts", "metadata"),
+        ...                 "one float per response")
+        Traceback (most recent call last):
+        ...
+        TypeError: reward_fn <lambda>(responses, prompts) cannot be called as reward_fn(responses, prompts, metadata) (too many positional arguments); define it as def <lambda>(responses, prompts, metadata) returning one float per response
+    """
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*params)
+    except TypeError as err:
+        wanted = ", ".join(params)
+        if inspect.isroutine(fn) or isinstance(fn, functools.partial):
+            name = getattr(fn, "__name__", "fn")
+            fix = f"def {name}({wanted})"
+        else:  # a callable object: its __call__
+            name = type(fn).__name__
+            fix = f"{name}.__call__(self, {wanted})"
+        raise TypeError(f"{role} {name}{sig} cannot be called as {role}({wanted}) ({err}); define it as {fix} "
+                        f"returning {returns}{hint}") from None  # fmt: skip
+
+
 def check_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -65,6 +96,27 @@ def check_env_args(tokenizer, *, batch_size, max_new_tokens, max_turn_tokens, ma
     check_tokenizer(tokenizer)
     if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
         raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+
+
+def check_budget(max_new_tokens: int, max_length: int, *, is_given: bool = True) -> None:
+    """Refuse a response budget the sequence cannot hold: ``max_length`` is the prompt and the response together, and a
+    prompt has at least one token, so ``max_new_tokens`` must be below ``max_length`` (else batches are
+    ``max_new_tokens`` wide and the budget is never reached).
+
+    Example:
+        >>> check_budget(64, 32)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_new_tokens=64 cannot fit in max_length=32: max_length holds the prompt and the response together and a prompt has at least one token, so a response has at most 31 tokens; pass max_new_tokens=31 or less, or max_length=65 or more (the longest prompt + max_new_tokens)
+    """
+    if max_new_tokens >= max_length:
+        where = f"max_length={max_length}" + ("" if is_given else " (the default: the model's or tokenizer's limit)")
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} cannot fit in {where}: max_length holds the prompt and the response "
+            f"together and a prompt has at least one token, so a response has at most {max_length - 1} tokens; pass "
+            f"max_new_tokens={max_length - 1} or less, or max_length={max_new_tokens + 1} or more (the longest prompt + "
+            "max_new_tokens)"
+        )
 
 
 def check_tokenizer(tokenizer) -> None:

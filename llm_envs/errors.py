@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import collections
 
-__all__ = ["TokenGymError", "ResetNeeded", "RewardFunctionError", "ContractError", "PromptError", "refill_failures"]
+__all__ = ["TokenGymError", "TokenGymWarning", "ResetNeeded", "RewardFunctionError", "ContractError", "PromptError",
+           "refill_failures"]
 
 
 class TokenGymError(Exception):
     """Base class of tokengym's own exceptions."""
+
+
+class TokenGymWarning(UserWarning):
+    """A setting that runs but does not do what it seems to (a run that trains on nothing, say); the message names the fix."""
 
 
 class ResetNeeded(TokenGymError, ValueError):

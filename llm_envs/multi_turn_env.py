@@ -33,7 +33,7 @@ class MultiTurnTokenEnv(TokenEnv):
         >>> from tokengym.testing import tiny_tokenizer
         >>> tok = tiny_tokenizer()
         >>> fn = lambda r, p, m, t: [Turn(0.0, "try again") if ti == 0 else Turn(1.0) for ti in t]
-        >>> env = MultiTurnTokenEnv(["1+1="], tok, fn, max_turns=2, batch_size=1, max_length=64)
+        >>> env = MultiTurnTokenEnv(["1+1="], tok, fn, max_turns=2, batch_size=1, max_new_tokens=8, max_length=64)
         >>> td = env.reset(); eos = torch.tensor([tok.eos_token_id])
         >>> out = env.step(td.set("action", eos))["next"]
         >>> out["turn"].tolist(), out["done"].item(), int(out["seq_len"]) > int(td["seq_len"]) + 1

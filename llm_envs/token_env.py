@@ -11,7 +11,7 @@ from torchrl.envs import EnvBase
 
 from tokengym.llm_envs import keys
 from tokengym.llm_envs._decode import ResponseDecoder
-from tokengym.llm_envs._env_checks import check_env_args, check_int, context_limit, eos_ids
+from tokengym.llm_envs._env_checks import check_budget, check_env_args, check_int, context_limit, eos_ids
 from tokengym.llm_envs._loading import PromptLoader
 from tokengym.llm_envs._slots import Slots
 from tokengym.llm_envs._step_core import StepCore
@@ -66,7 +66,7 @@ class TokenEnv(EnvBase):
             to its next turn (the env answers it as any finished turn). ``None`` (default): no per-turn limit.
         group_size: samples per prompt; they share ``group_id`` (TRL's ``num_generations``, verl's ``rollout.n``).
         max_length: capacity of a sequence (prompt + response), e.g. the model's context limit;
-            defaults to ``model_config``'s limit or the tokenizer's.
+            defaults to ``model_config``'s limit or the tokenizer's. ``max_new_tokens`` must be below it.
         stop_strings: strings that end a response (``terminated``).
         eos_token_ids: token ids that end a response; defaults to the tokenizer's and the model's
             generation config eos ids.
@@ -127,6 +127,7 @@ class TokenEnv(EnvBase):
         self.max_turn_tokens = max_turn_tokens
         self.max_length = max_length if max_length is not None else context_limit(tokenizer, model_config)
         check_int("max_length", self.max_length)
+        check_budget(max_new_tokens, self.max_length, is_given=max_length is not None)
         self.source.cap_prompt_length(self.max_length - 1)  # a prompt leaves room for one response token
         self.vocab_size = len(tokenizer)
         if model_config is not None and getattr(model_config, "vocab_size", None):
@@ -255,7 +256,7 @@ class TokenEnv(EnvBase):
         Example:
             >>> from tokengym.testing import tiny_tokenizer
             >>> tok = tiny_tokenizer()
-            >>> env = TokenEnv(["1+1="], tok, max_turns=2, batch_size=1, max_length=64)
+            >>> env = TokenEnv(["1+1="], tok, max_turns=2, batch_size=1, max_new_tokens=8, max_length=64)
             >>> tok.decode(env.render("again", "user"))
             '<|user|>again<|end|><|assistant|>'
         """
@@ -269,7 +270,7 @@ class TokenEnv(EnvBase):
         Example:
             >>> from tokengym.testing import tiny_tokenizer
             >>> tok = tiny_tokenizer()
-            >>> env = TokenEnv(["1+1="], tok, max_turns=2, batch_size=1, max_length=64)
+            >>> env = TokenEnv(["1+1="], tok, max_turns=2, batch_size=1, max_new_tokens=8, max_length=64)
             >>> end = tok.convert_tokens_to_ids("<|end|>")
             >>> tok.decode(env.feedback_ids(torch.tensor([40, end]), "again", "user"))
             '<|user|>again<|end|><|assistant|>'

@@ -1,5 +1,7 @@
 """Every exception tokengym raises beyond the built-in ``ValueError`` / ``TypeError`` / ``KeyError``: one home.
 
+Also :class:`TokenGymWarning`, the warning of a setting that runs but would learn nothing (groups of one sample).
+
 The classes are defined where they are raised (``tokengym.llm_envs.errors``, the adapters, the server
 policy) and exported here, every one of them; a few are also exported by the package of the class a user meets
 them from (``NoServerError`` and ``DynamicSamplingError`` from ``tokengym.collectors``, ``RequestRejected`` from
@@ -23,6 +25,7 @@ from tokengym.llm_envs.errors import (
     ResetNeeded,
     RewardFunctionError,
     TokenGymError,
+    TokenGymWarning,
 )
 
 __all__ = [
@@ -36,4 +39,5 @@ __all__ = [
     "ResetNeeded",
     "RewardFunctionError",
     "TokenGymError",
+    "TokenGymWarning",
 ]

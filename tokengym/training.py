@@ -53,12 +53,15 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             weights went out: evaluate, print, train a value head.
         scheduler: a learning-rate scheduler, stepped after every optimizer step (a warm-up).
         weights: returns the weights to send (``model.state_dict``), for a collector holding its own copy
-            (Ray workers, ``AsyncCollector``); None: the collector's policy trains in place.
+            (Ray workers, ``AsyncCollector``, a policy built on another copy of the model); None: the collector's
+            policy trains in place (its ``model`` must hold the optimizer's parameters).
         device: the trainer's device (the trained model's, e.g. ``"cuda"``): the prepared batch moves there before
             the loss; None leaves it on the host (a model on the CPU).
 
     Raises:
-        ValueError, TypeError: a bad argument, before the first batch. KeyError: a loss without ``loss_*`` terms.
+        ValueError, TypeError: a bad argument, before the first batch; without ``weights``, a policy whose model holds
+            none of the optimizer's parameters (its weights would never change). KeyError: a loss without ``loss_*``
+            terms.
 
     Example:
         >>> from torchrl.objectives import ClipPPOLoss
@@ -82,6 +85,8 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
            {"prepare": prepare, "on_iteration": on_iteration, "weights": weights})  # fmt: skip
     device = _check_device(device)
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if weights is None:
+        _check_trained_in_place(collector, params)
     rows: list[dict] = []
     for i, batch in enumerate(collector):
         if batch is None:
@@ -111,6 +116,34 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         if i + 1 >= iterations:
             break
     return rows
+
+
+def _generator(collector) -> torch.nn.Module | None:
+    """The model the collector's policy generates with, where the policy shows it (``policy.model``), else None."""
+    policy = getattr(collector, "policy", None)
+    for _ in range(4):  # through wrappers that hold the policy (PolicyWithReference)
+        model = getattr(policy, "model", None)
+        if isinstance(model, torch.nn.Module):
+            return model
+        policy = getattr(policy, "policy", None)
+    return None
+
+
+def _check_trained_in_place(collector, params: list[torch.Tensor]) -> None:
+    """Without ``weights=`` the policy must generate with the trained parameters: a policy built on another copy of
+    the model would never change while its version advances (a PEFT model's parameters, base and adapter, count)."""
+    model = _generator(collector)
+    if model is None:
+        return
+    own = {id(p) for p in model.parameters()}
+    if own and not any(id(p) in own for p in params):
+        raise ValueError(
+            f"train() without weights= expects the collector's policy to generate with the trained model, but its "
+            f"{type(model).__name__} holds none of the optimizer's {len(params)} parameters (a second copy of the "
+            "model, e.g. another from_pretrained): its weights would never change while policy.version advances. "
+            "Build the policy on the trained model (TransformersPolicy(model, env)) or send the weights after each "
+            "step: train(..., weights=model.state_dict)"
+        )
 
 
 def _total_loss(out) -> torch.Tensor:

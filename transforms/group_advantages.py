@@ -5,7 +5,8 @@ generated token. Groups are the samples of one prompt found in the batch, and a 
 whole groups (a ``TRAJECTORIES`` batch of a :class:`~tokengym.collectors.TokenCollector` does):
 :class:`GroupAdvantage` raises a ValueError on a fragment (groups of unequal sizes, or sample ids
 missing) rather than normalising over it. ``use_partial_groups=True`` estimates on the samples
-present instead (a group of one sample then gets advantage 0).
+present instead (a group of one sample then gets advantage 0). A batch whose groups all have one sample (an env's
+default ``group_size=1``) gets advantages of 0 and a :class:`~tokengym.errors.TokenGymWarning`, once per transform.
 
 Scores are summed and group statistics computed in float64, so a group whose scores are all equal
 has a mean equal to that score and a std of exactly 0, and gets an advantage of exactly 0 (in
@@ -14,10 +15,13 @@ float32 the mean of seven 100.1s is one ulp off, and ``/ (std + eps)`` blew that
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from tensordict import TensorDictBase
 
 from tokengym.llm_envs import keys
+from tokengym.llm_envs.errors import TokenGymWarning
 from tokengym.transforms._base import BatchTransform
 from tokengym.transforms._checks import (
     check_batch,
@@ -31,6 +35,11 @@ from tokengym.transforms.advantages import AdvantageEstimator, DiscountedReturns
 
 __all__ = ["group_advantages", "group_stats", "sequence_scores", "GroupAdvantage", "make_advantage"]
 
+_GROUPS_OF_ONE = (
+    "{owner}: every group in the batch has one sample ({n} groups of group_size=1, the env's default), so every "
+    "advantage is 0 and the loss trains on nothing; sample each prompt several times: TokenEnv(..., group_size=8) "
+    "(or PromptSource(..., group_size=8))"
+)
 _GROUP_ESTIMATORS = (AdvantageEstimator.GRPO, AdvantageEstimator.DR_GRPO, AdvantageEstimator.RLOO,
                      AdvantageEstimator.REINFORCE_PP)  # fmt: skip
 
@@ -179,6 +188,7 @@ class GroupAdvantage(BatchTransform):
         self.normalize = self.estimator is AdvantageEstimator.REINFORCE_PP if normalize is None else bool(normalize)
         self.group_size, self.use_partial_groups = group_size, bool(use_partial_groups)
         self.reward_key = reward_key
+        self._has_warned = False
 
     def transform_batch(self, td: TensorDictBase) -> TensorDictBase:
         owner = type(self).__name__
@@ -191,6 +201,7 @@ class GroupAdvantage(BatchTransform):
             scores, groups = scores[first], groups[first]
         if not self.use_partial_groups and len(groups):
             self._check_whole(td, seq, groups)
+        self._warn_groups_of_one(td, seq, groups)
         adv_seq = group_advantages(scores, groups, self.estimator, eps=self.eps)
         mask = seq >= 0
         adv = adv_seq[seq.clamp(min=0)] * mask
@@ -198,6 +209,15 @@ class GroupAdvantage(BatchTransform):
             adv = masked_whiten(adv, mask)
         td.set(keys.ADVANTAGE, adv.unsqueeze(-1))
         return td
+
+    def _warn_groups_of_one(self, td: TensorDictBase, seq: torch.Tensor, groups: torch.Tensor) -> None:
+        """Warn (once) when every group of the batch is one sample of a prompt sampled once: all advantages are 0."""
+        if self._has_warned or not len(groups) or len(torch.unique(groups)) != len(groups):
+            return
+        if keys.SAMPLE_ID in td.keys() and bool((td.get(keys.SAMPLE_ID)[seq >= 0] > 0).any()):
+            return  # fragments of larger groups (use_partial_groups): other batches hold the rest
+        self._has_warned = True
+        warnings.warn(_GROUPS_OF_ONE.format(owner=type(self).__name__, n=len(groups)), TokenGymWarning, stacklevel=3)
 
     def _check_whole(self, td: TensorDictBase, seq: torch.Tensor, groups: torch.Tensor) -> None:
         owner = type(self).__name__

@@ -144,7 +144,7 @@ def check_server(answer: dict, env, *, is_unmodified: bool, model: str | None = 
     Example:
         >>> from tokengym.llm_envs import TokenEnv
         >>> from tokengym.testing import tiny_tokenizer
-        >>> env = TokenEnv(["hi"], tiny_tokenizer(), max_length=64)
+        >>> env = TokenEnv(["hi"], tiny_tokenizer(), max_new_tokens=8, max_length=64)
         >>> answer = {"url": "http://h:8000", "model": "m", "max_model_len": 32, "vocab_size": 512,
         ...           "logprobs_mode": "processed_logprobs", "probe_log_prob": 0.0}
         >>> check_server(answer, env, is_unmodified=True)

@@ -257,7 +257,7 @@ def check_fits_env(env, backend: str, *, vocab_size: int | None, positions: int 
 
     Example:
         >>> from tokengym.testing import tiny_tokenizer
-        >>> env = TokenEnv(["hi"], tiny_tokenizer(), max_length=64)
+        >>> env = TokenEnv(["hi"], tiny_tokenizer(), max_new_tokens=8, max_length=64)
         >>> check_fits_env(env, "MyModel", vocab_size=512, positions=32, length_fix="use max_length={positions}")
         Traceback (most recent call last):
         ...

@@ -16,7 +16,7 @@ Example:
     ...     def step(self, text):
     ...         self.n += 1
     ...         return "again", float(self.n), self.n == 2, False, {}
-    >>> env = make_text_env(Echo, tiny_tokenizer(), batch_size=1, max_turns=4, max_length=64)
+    >>> env = make_text_env(Echo, tiny_tokenizer(), batch_size=1, max_turns=4, max_new_tokens=8, max_length=64)
     >>> td = env.reset(); eos = torch.tensor([env.tokenizer.eos_token_id])
     >>> out = env.step(td.set("action", eos))["next"]
     >>> out["reward"].item(), out["done"].item(), out["turn"].item()

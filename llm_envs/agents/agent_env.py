@@ -328,7 +328,7 @@ def make_agent_env(agent: Callable, tasks: Sequence, tokenizer, *, tool_parser_n
         >>> async def agent(client, task):
         ...     reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task}])
         ...     return float(len(reply.choices[0].message.content) > 0)
-        >>> env = make_agent_env(agent, ["1+1=", "2+2="], tiny_tokenizer(), batch_size=2, max_length=64)
+        >>> env = make_agent_env(agent, ["1+1=", "2+2="], tiny_tokenizer(), batch_size=2, max_new_tokens=8, max_length=64)
         >>> td = env.reset()
         >>> td = env.step(td.set("action", torch.tensor([40, env.tokenizer.eos_token_id])))
         >>> td["next", "done"].squeeze(-1).tolist(), td["next", "reward"].squeeze(-1).tolist()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from tokengym.llm_envs._env_checks import check_arguments
 from tokengym.llm_envs.errors import RewardFunctionError
 from tokengym.llm_envs.turns.protocol import FinishedTurns, Turn, TurnHandler
 
@@ -29,6 +30,7 @@ class FeedbackTurns(TurnHandler):
     def __init__(self, turn_fn: TurnFn) -> None:
         if not callable(turn_fn):
             raise TypeError(f"turn_fn must be callable(responses, prompts, metadata, turns), got {turn_fn!r}")
+        check_arguments(turn_fn, "turn_fn", ("responses", "prompts", "metadata", "turns"), "one Turn per response")
         self.turn_fn = turn_fn
 
     @property

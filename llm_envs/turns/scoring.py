@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokengym.llm_envs._env_checks import check_rewards
+from tokengym.llm_envs._env_checks import check_arguments, check_rewards
 from tokengym.llm_envs.errors import RewardFunctionError
 from tokengym.llm_envs.trl_rewards import as_reward_fn
 from tokengym.llm_envs.turns.protocol import FinishedTurns, TurnHandler
@@ -36,6 +36,9 @@ class RewardTurns(TurnHandler):
         if reward_fn is not None and not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable(responses, prompts, metadata), got {reward_fn!r}")
         self.reward_fn = as_reward_fn(reward_fn)
+        if self.reward_fn is not None:
+            check_arguments(self.reward_fn, "reward_fn", ("responses", "prompts", "metadata"), "one float per response",
+                            "; a TRL reward function names its parameters: f(prompts, completions, **kwargs)")  # fmt: skip
 
     @property
     def counts(self) -> dict:

@@ -181,7 +181,7 @@ def test_a_device_map_model_takes_inputs_on_its_embedding_device(tokenizer, devi
 def test_one_host_synchronization_per_env_step(tokenizer, device):
     """CUDA only (what only CUDA shows): the policy's step and the env's step synchronize once, refills apart."""
     model = _model(tokenizer, device, torch.bfloat16)
-    env = _env(tokenizer, model, max_new_tokens=64, batch_size=8, eos_token_ids=[])
+    env = _env(tokenizer, model, max_new_tokens=48, batch_size=8, eos_token_ids=[])
     policy = TransformersPolicy(model, env, sampling=SamplingConfig(banned_token_ids=(tokenizer.eos_token_id,)))
     td = env.reset()
     td = policy(td)  # the first step prefills every slot

@@ -15,7 +15,7 @@ CONFIGS = {
     "exhausted_generator": {"prompts": iter(["a", "b", "c", "d", "e"]), "max_new_tokens": 3},
     "groups_shuffled": {"group_size": 3, "shuffle": True, "seed": 4, "batch_size": 5},
     "stop_strings": {"stop_strings": ["A", "\n", "th"], "max_new_tokens": 20},
-    "tight_max_length": {"max_length": 12, "max_new_tokens": 64},
+    "tight_max_length": {"max_length": 12, "max_new_tokens": 11},
     "reward_fn": {"reward_fn": lambda r, p, m: [len(x) + 1.0 for x in r]},
     "one_slot": {"batch_size": 1},
 }

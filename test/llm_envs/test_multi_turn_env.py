@@ -140,7 +140,8 @@ def _boom(*args):
     ],
 )
 def test_failing_turn_fn_leaves_env_unchanged(tokenizer, turn_fn, match):
-    env = MultiTurnTokenEnv(["1+1=", "2+2="], tokenizer, turn_fn, max_turns=2, batch_size=2, max_length=64)
+    env = MultiTurnTokenEnv(["1+1=", "2+2="], tokenizer, turn_fn, max_turns=2, batch_size=2, max_new_tokens=8,
+                            max_length=64)  # fmt: skip
     td = env.reset()
     before = env.state_dict()
     with pytest.raises(RewardFunctionError, match=match):
@@ -195,7 +196,7 @@ def _play(tok, conversation, turn_fn):
 
     prompt = [m for m in conversation if m["role"] in ("system", "user")][: 2 if conversation[0]["role"] == "system" else 1]
     assistant = [m["content"] for m in conversation if m["role"] == "assistant"]
-    end = int(MultiTurnTokenEnv([prompt], tok, turn_fn, batch_size=1, max_length=64).turn_close_ids[0])
+    end = int(MultiTurnTokenEnv([prompt], tok, turn_fn, batch_size=1, max_new_tokens=8, max_length=64).turn_close_ids[0])
     scripts = [_ids(tok, a) if a.endswith(TOOL_STOP) else _ids(tok, a) + [end] for a in assistant]
     env = MultiTurnTokenEnv([prompt], tok, turn_fn, max_turns=len(assistant), batch_size=1, max_new_tokens=96,
                             max_length=512, stop_strings=[TOOL_STOP])  # fmt: skip
@@ -308,7 +309,7 @@ def test_turn_limit_in_waves(tokenizer):
 def test_single_turn_limit_truncates(tokenizer):
     from tokengym.llm_envs import TokenEnv
 
-    env = TokenEnv(["1+1="], tokenizer, batch_size=1, max_new_tokens=64, max_turn_tokens=3, max_length=64)
+    env = TokenEnv(["1+1="], tokenizer, batch_size=1, max_new_tokens=63, max_turn_tokens=3, max_length=64)
     td = env.reset()
     for _ in range(3):
         td, nxt = env.step_and_maybe_reset(td.set(keys.ACTION, torch.tensor([40])))

@@ -118,7 +118,7 @@ def test_generator_is_read_once_then_slots_go_inactive(tokenizer):
 
 def test_exhausted_slot_after_max_length_keeps_stepping(tokenizer):
     # a slot truncated at max_length and then left idle must not index past the buffer
-    env = make(tokenizer, iter(["1+1="]), batch_size=1, max_new_tokens=30, max_length=6)
+    env = make(tokenizer, iter(["1+1="]), batch_size=1, max_new_tokens=5, max_length=6)
     td = env.reset()
     for _ in range(2):
         out, td = env.step_and_maybe_reset(act(td, A))
@@ -251,7 +251,7 @@ def test_max_new_tokens_truncates(tokenizer):
 
 
 def test_max_length_truncates(tokenizer):
-    env = make(tokenizer, ["1+1=", "a"], max_new_tokens=50, max_length=6)
+    env = make(tokenizer, ["1+1=", "a"], max_new_tokens=5, max_length=6)
     td = env.reset()
     td = env.step(act(td, A, A))["next"]
     out = env.step(act(td, A, A))["next"]

@@ -107,7 +107,7 @@ def test_handler_errors_name_the_cause():
         def end_turns(self, turns):
             return [0.0]
 
-    env = TokenEnv(["hi"], tok, turns=Wrong(), max_turns=2, batch_size=1, max_length=32)
+    env = TokenEnv(["hi"], tok, turns=Wrong(), max_turns=2, batch_size=1, max_new_tokens=8, max_length=32)
     td = env.reset()
     with pytest.raises(ValueError, match=r"the turn handler must return one Turn per finished slot \(1 for slots \[0\]\)"):
         env.step(td.set(keys.ACTION, torch.tensor([tok.eos_token_id])))
@@ -153,7 +153,7 @@ def test_feedback_ids_rendered_by_the_handler_are_appended_as_they_are():
         def end_turns(self, turns):
             return [Turn(0.0, torch.tensor([10_000]))]
 
-    env = TokenEnv(["hi"], tok, turns=Bad(), max_turns=2, batch_size=1, max_length=64)
+    env = TokenEnv(["hi"], tok, turns=Bad(), max_turns=2, batch_size=1, max_new_tokens=8, max_length=64)
     td = env.reset()
     with pytest.raises(ValueError, match=r"feedback id 10000 for slot 0, outside the vocabulary \[0, 512\)"):
         env.step(td.set(keys.ACTION, torch.tensor([end])))

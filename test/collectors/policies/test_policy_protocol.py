@@ -302,7 +302,7 @@ def test_an_old_checkpoint_and_a_policy_written_before_the_rename_still_load(mak
 def test_one_fits_check_for_every_backend(tokenizer, model):
     from tokengym.collectors.policies import SamplingConfig
 
-    env = TokenEnv(["hi"], tokenizer, max_length=64, model_config=model.config)
+    env = TokenEnv(["hi"], tokenizer, max_new_tokens=8, max_length=64, model_config=model.config)
     fits = dict(vocab_size=512, positions=64, length_fix="x")
     check_fits_env(env, "M", **fits, probe_text=tokenizer.decode(list(range(512))))
     cases = [

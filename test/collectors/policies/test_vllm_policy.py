@@ -295,7 +295,7 @@ def test_bad_construction_arguments(qwen2, tmp_path):
         VLLMPolicy(str(tmp_path / "missing"), env)
     with pytest.raises(ValueError, match="has no config.json"):
         VLLMPolicy(tmp_path, env)
-    big = TokenEnv(PROMPTS, tiny_tokenizer(2048), max_length=64)
+    big = TokenEnv(PROMPTS, tiny_tokenizer(2048), max_new_tokens=8, max_length=64)
     with pytest.raises(ValueError, match=r"vocab_size 5\d\d, smaller than the env tokenizer's \d{3,4}"):
         VLLMPolicy(qwen2.owner.llm, big)
     with pytest.raises(ValueError, match=r"max_length=512 tokens but the vLLM engine's model has 128 positions; build the env with max_length=128"):
@@ -314,7 +314,7 @@ def test_bad_construction_arguments(qwen2, tmp_path):
 
 def test_directory_that_does_not_match_the_env_tokenizer(qwen2):
     """The engine starts, the check fails, the engine is shut down again."""
-    env = TokenEnv(PROMPTS, tiny_tokenizer(2048), max_length=64)
+    env = TokenEnv(PROMPTS, tiny_tokenizer(2048), max_new_tokens=8, max_length=64)
     with pytest.raises(ValueError, match=r"vocab_size 5\d\d, smaller than the env tokenizer's 2048"):
         VLLMPolicy(str(qwen2.path), env, engine_kwargs=ENGINE)
 

@@ -306,7 +306,7 @@ def test_a_multi_turn_trajectory_stays_on_its_server(fleet):
 def test_clear_errors_at_construction(fleet):
     with pytest.raises(ValueError, match=r"vLLM server http://127.0.0.1:\d+ cannot be reached .*start it"):
         fleet.policy(fleet.env(), [fleet.urls[0], f"http://127.0.0.1:{free_port()}"])
-    big = TokenEnv(PROMPTS, tiny_tokenizer(2048), max_length=64)
+    big = TokenEnv(PROMPTS, tiny_tokenizer(2048), max_new_tokens=8, max_length=64)
     with pytest.raises(ValueError, match=r"has vocab_size 512, smaller than the env tokenizer's 2048"):
         fleet.policy(big)
     with pytest.raises(

@@ -174,7 +174,7 @@ def test_conversation_that_outgrows_the_context_gets_length(tool_tokenizer, tool
             messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
 
     env = _env(tool_tokenizer, tool_model, agent, tasks=["x"], group_size=1, batch_size=1, epochs=1, max_length=48,
-               max_turns=8, eos_token_ids=[tool_tokenizer.eos_token_id])  # fmt: skip
+               max_new_tokens=47, max_turns=8, eos_token_ids=[tool_tokenizer.eos_token_id])  # fmt: skip
     policy = TransformersPolicy(tool_model, env, return_raw_log_prob=True)
     batch, errors, _ = _collect_through_errors(env, policy, n=1, source="step")
     assert not errors and "length" in finish and "context" in finish[-1]
