@@ -29,7 +29,7 @@ from torchrl.objectives import ClipPPOLoss
 from tokengym import training
 from tokengym._demo import warm_start
 from tokengym.collectors import CollectorOptions, DynamicSampling, TokenCollector
-from tokengym.collectors.policies import SamplingConfig, SequenceActor, TransformersPolicy
+from tokengym.collectors.policies import SamplingConfig, SharedPrefixActor, TransformersPolicy
 from tokengym.evaluation import Evaluation, evaluate
 from tokengym.llm_envs import PromptSource, TokenEnv
 from tokengym.llm_envs.adapters.reasoning_gym import (
@@ -39,7 +39,13 @@ from tokengym.llm_envs.adapters.reasoning_gym import (
 )
 from tokengym.testing import tiny_model, tiny_tokenizer
 from tokengym.training import TrainOptions
-from tokengym.transforms import AdaptiveKLController, GroupAdvantage, KLRewardTransform
+from tokengym.transforms import (
+    AdaptiveKLController,
+    GroupAdvantage,
+    KLRewardTransform,
+    WeightedLoss,
+    to_padded,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +174,11 @@ def build(config: RecipeConfig, model, tok, reward: ReasoningGymReward, train_pr
     options = CollectorOptions(dynamic_sampling=DynamicSampling(max_num_gen_batches=10)) if config.dynamic_sampling else None
     collector = TokenCollector(env, policy, mode="trajectories", batch_size=config.trajectories, postproc=kl,
                                options=options)  # fmt: skip
-    loss = ClipPPOLoss(SequenceActor(model, pad_token_id=tok.pad_token_id, temperature=config.temperature), critic_network=None,
-                       entropy_bonus=False, functional=False, clip_epsilon=0.2)  # fmt: skip
+    # the shared-prefix layout: each group's prompt runs once in the training forward (0.42x the loss step's time
+    # of the step layout here); WeightedLoss averages the per-token objective over the generated tokens
+    actor = SharedPrefixActor(model, temperature=config.temperature)
+    loss = WeightedLoss(ClipPPOLoss(actor, critic_network=None, entropy_bonus=False, functional=False, clip_epsilon=0.2,
+                                    reduction="none"))  # fmt: skip
     optim = torch.optim.Adam(model.parameters(), lr=config.lr)
     return collector, loss, optim
 
@@ -201,6 +210,11 @@ def _evaluate(config, model, tok, reward, train_problems, held_out, i) -> dict:
             "held_out": greedy_accuracy(model, tok, reward, held_out, config.max_new_tokens)}  # fmt: skip
 
 
+def _prepare(batch):
+    """Group advantages, then the padded layout the shared-prefix actor reads."""
+    return to_padded(GroupAdvantage("grpo")(batch))
+
+
 def rl(config: RecipeConfig, model, tok, reward, problems, evals: list[dict], *, train_reward=None, log=print) -> list[dict]:
     """The GRPO phase from ``model`` as it is (``train_reward`` replaces the reward the policy is trained on, e.g.
     :class:`RandomReward`; evaluation always uses the task's reward); appends to ``evals`` and returns it."""
@@ -220,7 +234,7 @@ def rl(config: RecipeConfig, model, tok, reward, problems, evals: list[dict], *,
         log(f"{r['iter']:>4} {r['reward']:>7.3f} {r['kl']:>7.3f} {r['tokens_per_s']:>7.0f} {acc}".rstrip())
 
     training.train(collector, loss, optim, iterations=config.iterations, options=TrainOptions(epochs=config.epochs),
-                   prepare=GroupAdvantage("grpo"), on_iteration=show, scheduler=warmup)  # fmt: skip
+                   prepare=_prepare, on_iteration=show, scheduler=warmup)  # fmt: skip
     collector.shutdown()
     return evals
 
