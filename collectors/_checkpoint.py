@@ -16,7 +16,7 @@ __all__ = ["collector_state", "load_collector_state"]
 
 def collector_state(collector, *, include_cache: bool = True) -> dict:
     """Env, policy (its ``collection_state``: RNG, version, cache unless ``include_cache`` is False), source,
-    recorder, prompts."""
+    recorder, prompts, and the prompt source's fingerprint (``PromptSource.fingerprint``)."""
     policy = policy_state(collector.policy, include_cache=include_cache)
     # every part is already a copy (the env, policy, source and recorder clone what they hand out)
     return {
@@ -31,14 +31,22 @@ def collector_state(collector, *, include_cache: bool = True) -> dict:
         "counters": dict(collector.counters),
         "mode": collector.mode.value,
         "source_kind": collector.source.kind.value,
+        "prompt_source": _fingerprint(collector),
     }  # fmt: skip
 
 
-def load_collector_state(collector, state: dict) -> None:
-    """Restore :func:`collector_state` into ``collector`` (same mode, source and env shape)."""
+def load_collector_state(collector, state: dict, *, strict: bool = True) -> None:
+    """Restore :func:`collector_state` into ``collector`` (same mode, source and env shape; with ``strict``, the
+    same prompts: a checkpoint without a fingerprint, older ones, is not checked)."""
     for name, mine in (("mode", collector.mode.value), ("source_kind", collector.source.kind.value)):
         if state.get(name, mine) != mine:
             raise ValueError(f"this checkpoint was taken with {name}={state[name]!r}, this collector has {mine!r}")
+    theirs, mine = state.get("prompt_source"), _fingerprint(collector)
+    if strict and theirs is not None and mine is not None and theirs != mine:
+        raise ValueError(f"this checkpoint was taken on other prompts ({_summary(theirs)}) than this collector's env "
+                         f"holds ({_summary(mine)}): its cursor and slots would resume in another prompt list. Build "
+                         "the env on the checkpoint's prompts, or pass collector.load_state_dict(state, strict=False) "
+                         "to resume over these prompts anyway")  # fmt: skip
     state = copy.deepcopy(state)
     collector.base_env.load_state_dict(state["env"])
     load_policy_state(collector.policy, state["policy"])
@@ -48,3 +56,12 @@ def load_collector_state(collector, state: dict) -> None:
     collector.steps_done, collector.is_started = state["steps_done"], state["is_started"]
     collector.prompts = PromptTable.from_state_dict(state["prompts"])
     collector.counters.update(state["counters"])
+
+
+def _fingerprint(collector) -> dict | None:
+    fingerprint = getattr(collector.base_env.source, "fingerprint", None)
+    return None if fingerprint is None else fingerprint()
+
+
+def _summary(fingerprint: dict) -> str:
+    return f"{fingerprint['count']} prompts, digest {fingerprint['digest']}, first {fingerprint['first']!r}"

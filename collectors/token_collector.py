@@ -19,7 +19,12 @@ from tokengym.collectors.core import (
     InFlight,
 )
 from tokengym.collectors.iteration import BatchIterator
-from tokengym.collectors.policies.protocol import as_token_policy, check_policy_env, sampling_of
+from tokengym.collectors.policies.protocol import (
+    as_token_policy,
+    check_policy_env,
+    check_policy_sampling,
+    sampling_of,
+)
 from tokengym.collectors.recorders import Step, StepRecorder, TrajectoryRecorder
 from tokengym.collectors.sources import SourceKind, make_source
 from tokengym.llm_envs import PromptTable, TokenEnv, keys
@@ -111,6 +116,7 @@ class TokenCollector(CollectorBase):
             self.source.width = base.max_new_tokens  # waves come as wide as the batches: no padding copy
         if self.source.kind == "step":  # a stepping policy reads its env's tokens: another env fails here
             check_policy_env(policy, env)
+        check_policy_sampling(policy, env)  # an agent env tells its programs the temperature they get
         self.steps_done, self.is_started = 0, False
         self.prompts = PromptTable(pad_token_id=base.tokenizer.pad_token_id, sampling=sampling_of(policy))  # layouts pad with it, actors score with it
         self.pending: dict | None = None  # steps of a wave that did not fit into the last batch
@@ -329,9 +335,12 @@ class TokenCollector(CollectorBase):
         policy's KV cache out (re-prefilled on resume; log-probs may then differ in the last bits)."""
         return collector_state(self, include_cache=include_cache)
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`; the next batch is the one the saved run would have yielded."""
-        load_collector_state(self, state)
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Restore :meth:`state_dict`; the next batch is the one the saved run would have yielded.
+
+        A ``ValueError`` when the checkpoint was taken on other prompts (its fingerprint of the prompt source
+        differs from this env's); ``strict=False`` resumes its cursor over this env's prompts anyway."""
+        load_collector_state(self, state, strict=strict)
         self.undelivered = None  # a batch whose delivery failed is in the restored recorder, or was delivered
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 
@@ -246,6 +247,36 @@ class PromptSource:
             raise TypeError(f"rewind needs an int seed, got {seed!r}")
         self.seed = seed
         self.load_state_dict({"epoch": 0, "pos": 0, "sample": 0, "group": 0})
+
+    _FINGERPRINT_ITEMS = 16
+
+    def fingerprint(self) -> dict | None:
+        """What identifies a sized source's prompts, cheaply: their count, a digest of the token ids of up to 16
+        of them spread evenly (the first and the last included) and the first one's text; ``None`` for an
+        iterable (read once: it cannot be looked at ahead). Computed once; a collector checkpoint carries it.
+
+        Example:
+            >>> from tokengym.testing import tiny_tokenizer
+            >>> fp = PromptSource(["1+1=", "2+2="], tiny_tokenizer()).fingerprint()
+            >>> fp["count"], fp["first"], len(fp["digest"])
+            (2, '1+1=', 16)
+        """
+        if not self.is_sized:
+            return None
+        if "_fingerprint" not in self.__dict__:
+            n = len(self.prompts)
+            k = min(n, self._FINGERPRINT_ITEMS)
+            picks = sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})
+            digest, first = hashlib.sha256(str(n).encode()), ""
+            for index in picks:
+                try:
+                    ids, text = self._encode_item(self.prompts[index], index)[:2]
+                except (KeyError, TypeError, ValueError):  # a bad item fails at its draw, not at a checkpoint
+                    ids, text = torch.tensor([-1]), ""
+                digest.update(ids.to(torch.int64).numpy().tobytes() + b"|")
+                first = first or text
+            self.__dict__["_fingerprint"] = {"count": n, "digest": digest.hexdigest()[:16], "first": first[:40]}
+        return dict(self.__dict__["_fingerprint"])
 
     def state_dict(self) -> dict:
         """Cursor of the source; restoring it replays the same prompts (iterables are re-read and skipped)."""

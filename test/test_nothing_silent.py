@@ -16,6 +16,7 @@ from torchrl.objectives import ClipPPOLoss
 
 from tokengym.collectors import TokenCollector
 from tokengym.collectors.policies import SamplingConfig, SequenceActor, TransformersPolicy
+from tokengym.collectors.policies.sampling import batch_sampling
 from tokengym.errors import TokenGymWarning
 from tokengym.llm_envs import MultiTurnTokenEnv, TokenEnv, keys
 from tokengym.llm_envs.turns import Turn
@@ -146,3 +147,52 @@ def test_the_real_models_guide_samples_what_a_trainer_can_score(tokenizer, model
         policy = TransformersPolicy(model, env, sampling=sampling, seed=0)
         batch = next(iter(TokenCollector(env, policy, mode="trajectories", batch_size=4)))
         assert SequenceActor(model).log_prob(batch).shape == batch.shape, call  # a filtered batch raises here
+
+
+# -- row 6: an agent env told one sampling temperature, a policy sampling at another --
+async def _chat_agent(client, task):
+    reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task}],
+                                                 temperature=0.7)  # fmt: skip
+    return float(len(reply.choices[0].message.content) > 0)
+
+
+def _agent_env(tok, model):
+    from tokengym.llm_envs.agents import make_agent_env
+
+    return make_agent_env(_chat_agent, PROMPTS, tok, temperature=0.7, batch_size=4, max_new_tokens=4, max_length=64,
+                          model_config=model.config)  # fmt: skip
+
+
+def test_an_agent_env_at_one_temperature_refuses_a_policy_sampling_at_another(tokenizer, model):
+    env = _agent_env(tokenizer, model)
+    try:
+        with pytest.raises(ValueError, match=r"tells its agent programs temperature=0\.7 .* TransformersPolicy samples "
+                                             r"at temperature=1\.0: .*TransformersPolicy\(model, env, "
+                                             r"sampling=SamplingConfig\(temperature=0\.7\)\), or build the env with "
+                                             r"temperature=1\.0"):  # fmt: skip
+            TokenCollector(env, TransformersPolicy(model, env, seed=0), mode="trajectories", batch_size=4)
+        policy = TransformersPolicy(model, env, sampling=SamplingConfig(temperature=0.7), seed=0)
+        batch = next(iter(TokenCollector(env, policy, mode="trajectories", batch_size=4, total_steps=400)))
+        assert batch.shape[0] == 4 and batch_sampling(batch).temperature == 0.7  # sampled at what the agent asked
+    finally:
+        env.close()
+
+
+# -- row 7: a collector checkpoint loaded into a run with other prompts --
+def test_a_checkpoint_from_other_prompts_is_refused_unless_strict_is_false(tokenizer, model):
+    saved = _collector(tokenizer, model, group_size=2)
+    next(iter(saved))
+    state = saved.state_dict()
+    other = TokenCollector(env := TokenEnv(["9+9=", "8+1="], tokenizer, _reward, batch_size=4, max_new_tokens=3,
+                                           model_config=model.config, seed=0, group_size=2),
+                           TransformersPolicy(model, env, seed=0), mode="trajectories", batch_size=4)  # fmt: skip
+    with pytest.raises(ValueError, match=r"taken on other prompts \(4 prompts, digest \w{16}, first '1\+1='\) than "
+                                         r"this collector's env holds \(2 prompts, digest \w{16}, first '9\+9='\).* "
+                                         r"collector\.load_state_dict\(state, strict=False\)"):  # fmt: skip
+        other.load_state_dict(state)
+    other.load_state_dict(state, strict=False)  # the explicit override
+    assert next(iter(other)).shape[0] == 4
+    same = _collector(tokenizer, model, group_size=2)
+    same.load_state_dict(state)  # the same prompts: accepted
+    old = {k: v for k, v in state.items() if k != "prompt_source"}  # a checkpoint from before the fingerprint
+    other.load_state_dict(old)

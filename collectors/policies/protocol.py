@@ -60,7 +60,7 @@ from tokengym.llm_envs import TokenEnv
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["FunctionPolicy", "StepPolicy", "TokenPolicy", "WavePolicy", "as_token_policy", "check_fits_env",
-           "check_policy", "check_policy_env", "is_token_policy", "load_policy_state", "policy_state", "probe_ids",
+           "check_policy", "check_policy_env", "check_policy_sampling", "is_token_policy", "load_policy_state", "policy_state", "probe_ids",
            "sampling_of", "supports_cache_state", "supports_steps", "supports_waves", "weights_of"]  # fmt: skip
 
 Weights = Mapping[str, torch.Tensor] | TensorDictBase | torch.nn.Module
@@ -327,6 +327,37 @@ def check_policy_env(policy, env) -> None:
                 f"{owner} was built on another env (batch_size {bound.batch_size[0]}) than the collector's "
                 f"(batch_size {base.batch_size[0]}); build it on the env you collect from, e.g. {owner}(model, env)"
             )
+
+
+def check_policy_sampling(policy, env) -> None:
+    """Raise a ``ValueError`` when ``env`` declares a sampling temperature (an agent env tells its programs the
+    temperature they are sampled at, ``make_agent_env(..., temperature=)``) and ``policy`` samples at another.
+
+    Example:
+        >>> from tokengym.collectors.policies import TransformersPolicy
+        >>> from tokengym.llm_envs.agents import make_agent_env
+        >>> from tokengym.testing import tiny_model, tiny_tokenizer
+        >>> async def agent(client, task):
+        ...     return 0.0
+        >>> tok = tiny_tokenizer(); model = tiny_model(tok)
+        >>> env = make_agent_env(agent, ["1+1="], tok, temperature=0.7, max_new_tokens=8, max_length=64,
+        ...                      model_config=model.config)
+        >>> check_policy_sampling(TransformersPolicy(model, env), env)
+        Traceback (most recent call last):
+        ...
+        ValueError: the env tells its agent programs temperature=0.7 (make_agent_env(..., temperature=0.7)) but TransformersPolicy samples at temperature=1.0: the programs would be told one temperature and get tokens sampled at another; build the policy at the env's, TransformersPolicy(model, env, sampling=SamplingConfig(temperature=0.7)), or build the env with temperature=1.0 (or temperature=None: not checked)
+        >>> env.close()
+    """
+    base = getattr(env, "base_env", env)
+    declared, sampling = getattr(base.turns, "temperature", None), sampling_of(policy)
+    if declared is None or sampling is None or abs(float(declared) - sampling.temperature) <= 1e-6:
+        return
+    owner = type(policy).__name__
+    raise ValueError(f"the env tells its agent programs temperature={declared} (make_agent_env(..., "
+                     f"temperature={declared})) but {owner} samples at temperature={sampling.temperature}: the "
+                     "programs would be told one temperature and get tokens sampled at another; build the policy at "
+                     f"the env's, {owner}(model, env, sampling=SamplingConfig(temperature={declared})), or build the "
+                     f"env with temperature={sampling.temperature} (or temperature=None: not checked)")  # fmt: skip
 
 
 class FunctionPolicy:

@@ -167,6 +167,12 @@ class AgentTurns(TurnHandler):
         self.continuing: set[int] = set()  # split episodes whose next trajectory is not in a slot yet
 
     @property
+    def temperature(self) -> float | None:
+        """The sampling temperature the env tells its programs (``make_agent_env(..., temperature=)``); a collector
+        refuses a policy sampling at another."""
+        return self.runner.temperature
+
+    @property
     def counts(self) -> dict[str, int]:
         """Malformed tool calls (answered as text), calls refused at a limit, history rewrites refused."""
         return {**self.tallies, **self.runner.counts}
