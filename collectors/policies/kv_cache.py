@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from tokengym.collectors.policies.prefix_store import DEFAULT_PREFIX_CACHE_BYTES, PrefixStore
+from tokengym.collectors.policies.prefix_store import DEFAULT_PREFIX_CACHE_BYTES, PrefixStore, group_by_prompt
 from tokengym.llm_envs.devices import input_device
 
 __all__ = ["SlotKVCache"]
@@ -139,7 +139,12 @@ class SlotKVCache:
         self.mask.index_fill_(0, rows.to(self.device, non_blocking=True), 0)  # not `mask[rows] = 0`: a host scalar
         if width == 0:  # one-token prompts: nothing to prefill                 # copied to the device waits for it
             return
-        groups = _by_prefix(rows, lens, tokens) if self.share_prefixes else {(r,): [r] for r in rows.tolist()}
+        at_rows = rows.tolist()
+        if self.share_prefixes:  # rows by prefix: a group's samples share one
+            prefixes = group_by_prompt(tokens[r, :n] for r, n in zip(at_rows, lens.tolist(), strict=True))
+            groups = {ids: [at_rows[i] for i in members] for ids, members in prefixes.items()}
+        else:
+            groups = {(r,): [r] for r in at_rows}
         held = {ids: self.prefixes.get(ids) for ids in groups}  # before any put can evict one
         first = [members[0] for ids, members in groups.items() if held[ids] is None]
         if first:
@@ -370,11 +375,3 @@ class SlotKVCache:
 def _expand(order: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """Column indices (B, C') expanded to gather keys or values (B, H, C', D)."""
     return order[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3])
-
-
-def _by_prefix(rows: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor) -> dict[tuple[int, ...], list[int]]:
-    """The refilled rows grouped by their prefix ids, in row order (a group's samples share one prompt)."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for row, n in zip(rows.tolist(), lens.tolist(), strict=True):
-        groups.setdefault(tuple(tokens[row, :n].tolist()), []).append(row)
-    return groups

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["DEFAULT_PREFIX_CACHE_BYTES", "PrefixStore"]
+__all__ = ["DEFAULT_PREFIX_CACHE_BYTES", "PrefixStore", "group_by_prompt"]
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
 """Bytes of prompt keys and values kept for later samples of a group (256 MiB: ~21k tokens of Qwen2.5-0.5B in
@@ -78,6 +78,19 @@ class PrefixStore:
         for ids, kv in state:
             self.put(tuple(ids.tolist()), [(k.to(dk, copy=True), v.to(dv, copy=True))
                                            for (k, v), (dk, dv) in zip(kv, devices, strict=True)])  # fmt: skip
+
+
+def group_by_prompt(prompts) -> dict[tuple[int, ...], list[int]]:
+    """The positions of ``prompts`` (1-D id tensors) grouped by their ids, in order: a group's samples share one.
+
+    Example:
+        >>> group_by_prompt([torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([5, 6])])
+        {(5, 6): [0, 2], (7,): [1]}
+    """
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, ids in enumerate(prompts):
+        groups.setdefault(tuple(ids.tolist()), []).append(i)
+    return groups
 
 
 def _nbytes(kv: KV) -> int:

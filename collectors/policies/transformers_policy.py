@@ -10,7 +10,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from tokengym.collectors.policies._lora_sync import AdapterSpec, check_not_adapter, tensor_bytes
 from tokengym.collectors.policies.kv_cache import SlotKVCache
 from tokengym.collectors.policies.lora import is_lora_model, merged_weights
-from tokengym.collectors.policies.prefix_store import DEFAULT_PREFIX_CACHE_BYTES
+from tokengym.collectors.policies.prefix_store import DEFAULT_PREFIX_CACHE_BYTES, group_by_prompt
 from tokengym.collectors.policies.protocol import Weights, check_fits_env, weights_of
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
 from tokengym.llm_envs import keys
@@ -108,6 +108,9 @@ class TransformersPolicy(TensorDictModuleBase):
         self._version_tensor: torch.Tensor | None = None
         self._version_stamped = -1  # the version _version_tensor holds (no tensor read per step)
         self.generator = seeded_generator(output_device(model), seed)
+        get = getattr(model, "get_input_embeddings", None)
+        # the module outlives .to(): its weight's device is read per step; not a submodule (state_dict is the model's)
+        object.__setattr__(self, "_embedding", get() if callable(get) else None)
         self.reset_cache()
 
     def reset_cache(self) -> None:
@@ -139,7 +142,10 @@ class TransformersPolicy(TensorDictModuleBase):
         return tensordict
 
     def _check_placement(self) -> None:
-        device = input_device(self.model)
+        weight = getattr(self._embedding, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.device == self.cache.device:
+            return  # every step: one attribute read (the full lookup costs ~6 us)
+        device = input_device(self.model)  # an offloaded embedding (meta weights) runs on its hook's device
         if device != self.cache.device:
             raise ValueError(f"TransformersPolicy was built with its model on {self.cache.device}, the model is now on "
                              f"{device}: build the policy after moving the model (model.to({str(device)!r}))")  # fmt: skip
@@ -209,12 +215,15 @@ class TransformersPolicy(TensorDictModuleBase):
         repeated for every sequence of it; ``generate`` then starts from it. ``None`` when every prompt differs."""
         if not self.cache.share_prefixes or prompts.shape[1] < 2:
             return None
-        first: dict[tuple[int, ...], int] = {}
-        of = [first.setdefault(tuple(row.tolist()), len(first)) for row in ids]  # (n,) the distinct prompt of each
-        if len(first) == len(of):
+        groups = list(group_by_prompt(ids).values())
+        if len(groups) == len(ids):
             return None
-        index = torch.tensor([of.index(u) for u in range(len(first))] + of).to(prompts.device, non_blocking=True)
-        rep, of = index[: len(first)], index[len(first) :]
+        of = [0] * len(ids)  # the distinct prompt of each sequence
+        for u, members in enumerate(groups):
+            for i in members:
+                of[i] = u
+        index = torch.tensor([members[0] for members in groups] + of).to(prompts.device, non_blocking=True)
+        rep, of = index[: len(groups)], index[len(groups) :]
         head = mask[rep, :-1]
         sub = DynamicCache(config=self.model.config)
         self.model(input_ids=prompts[rep, :-1], attention_mask=head, position_ids=(head.cumsum(-1) - 1).clamp(min=0),
