@@ -28,7 +28,7 @@ import _contestants as cs  # this folder is sys.path[0] when run as a script
 import torch
 
 SIZES = {  # B of the throughput runs (the first is the main one), new tokens, GRPO and sync-count shapes
-    "real": {"batch_sizes": (64, 8, 256), "wave_sizes": (64, 256), "new_tokens": 256,
+    "real": {"batch_sizes": (64, 8, 256), "wave_sizes": (64, 256), "new_tokens": 128,
              "grpo": (8, 8, 256), "syncs": (64, 64, 8), "budget_s": 230.0},
     "tiny": {"batch_sizes": (8, 4), "wave_sizes": (8,), "new_tokens": 16,
              "grpo": (2, 4, 16), "syncs": (8, 32, 4), "budget_s": None},
@@ -280,7 +280,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", required=True, help="folder for gpu_bench.md and gpu_bench.json")
     parser.add_argument("--quick", action="store_true", help="B=64 only and a shorter GRPO iteration")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per throughput B (>= 3 for a median)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per throughput B (>= 3 for a median)")
     parser.add_argument("--batch-sizes", default=None, help="throughput B list, the main one first (e.g. 64,8,256)")
     parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per sequence in throughput runs")
     parser.add_argument("--budget-s", type=float, default=None,
