@@ -15,6 +15,8 @@ from tokengym.llm_envs import keys
 
 __all__ = ["AsyncCollector"]
 
+STALE_TOKENS = ("drop", "mask")  # AsyncCollector(stale_tokens=...)
+
 
 class AsyncCollector(CollectorBase):
     """Runs ``collector`` in a background thread so that generation overlaps training.
@@ -32,16 +34,22 @@ class AsyncCollector(CollectorBase):
        ``j - max_staleness``, so the collector runs at most ``max_staleness`` batches ahead. A trainer
        that publishes once per batch then never sees a token generated more than ``max_staleness``
        updates ago; ``max_staleness=0`` is synchronous collection.
-    2. **Drop.** Work that is older anyway is dropped when the batch is handed out: a whole trajectory
-       (``TRAJECTORIES``; with its whole group, so batches keep holding whole groups) that was in flight
-       across more updates, or, in ``STEPS`` mode, the stale steps (masked out). It is counted in ``metrics["dropped_tokens"]`` (with the tokens the collector
-       itself dropped under ``in_flight="drop"``), so a ``TRAJECTORIES`` batch may hold fewer
-       trajectories than asked for. ``in_flight="drop"`` restarts in-flight trajectories at every
+    2. **Drop or mask.** Work that is older anyway is taken out of training when the batch is handed out.
+       With ``stale_tokens="drop"`` (default): a whole trajectory (``TRAJECTORIES``; with its whole group, so
+       batches keep holding whole groups) that was in flight across more updates, or, in ``STEPS`` mode, the
+       stale steps (masked out). It is counted in ``metrics["dropped_tokens"]`` (with the tokens the collector
+       itself dropped under ``in_flight="drop"``), so a ``TRAJECTORIES`` batch may hold fewer trajectories
+       than asked for. With ``stale_tokens="mask"`` nothing is dropped: each token older than the bound gets
+       ``keys.LOSS_WEIGHT`` 0 (multiplying a weight already there), so :class:`~tokengym.transforms.WeightedLoss`
+       leaves it out of the gradient while its trajectory, its reward and its group stay in the batch (AReaL's
+       ``max_token_version_gap``, slime's off-policy mask in partial rollouts); counted in
+       ``metrics["masked_stale_tokens"]``. ``in_flight="drop"`` restarts in-flight trajectories at every
        update, so nothing reaches the hand-out stale.
 
     ``metrics`` adds ``staleness_mean`` / ``staleness_max`` (tokens yielded, against ``current``),
-    ``dropped_tokens`` (cumulative), ``collector_wait_s`` (the collector idle at the bound) and
-    ``trainer_wait_s`` (the trainer waiting for the batch) to the collector's metrics.
+    ``dropped_tokens`` and ``masked_stale_tokens`` (cumulative), ``version_spanning_fraction`` (the batch's
+    trajectories whose tokens come from more than one version), ``collector_wait_s`` (the collector idle at
+    the bound) and ``trainer_wait_s`` (the trainer waiting for the batch) to the collector's metrics.
 
     A batch that raises in the collector (a ``PromptError``, a reward function) raises from the trainer's
     ``next()`` in its place; collection goes on and the next ``next()`` gives the next batch. The wrapped
@@ -52,6 +60,8 @@ class AsyncCollector(CollectorBase):
         collector: a :class:`TokenCollector` (its policy must hold its own copy of the model: training
             must not write into weights that are generating) or a :class:`RayTokenCollector`.
         max_staleness: the bound ``k >= 0``.
+        stale_tokens: ``"drop"`` (whole trajectories and their groups; stale steps in ``STEPS`` mode) or
+            ``"mask"`` (a loss weight of 0 on each token older than the bound; nothing dropped).
 
     Example:
         >>> import copy
@@ -73,9 +83,13 @@ class AsyncCollector(CollectorBase):
 
     needs_weights_because = "the collector's policy holds its own copy of the model"
 
-    def __init__(self, collector: CollectorBase, *, max_staleness: int = 1) -> None:
+    def __init__(self, collector: CollectorBase, *, max_staleness: int = 1, stale_tokens: str = "drop") -> None:
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"max_staleness must be an int >= 0 (0: synchronous), got {max_staleness!r}")
+        if stale_tokens not in STALE_TOKENS:
+            raise ValueError(f"stale_tokens must be one of {STALE_TOKENS} (drop whole trajectories, or give stale "
+                             f"tokens loss weight 0), got {stale_tokens!r}")  # fmt: skip
+        self.stale_tokens = stale_tokens
         if not isinstance(collector, CollectorBase) or isinstance(collector, AsyncCollector):
             raise TypeError(f"collector must be a TokenCollector or a RayTokenCollector, got {type(collector).__name__}")
         super().__init__(collector.spec)  # no postproc, sink or logger: the collector has its own
@@ -88,7 +102,8 @@ class AsyncCollector(CollectorBase):
         self._is_done = self._is_stopping = self._is_paused = self._is_busy = False
         self._error: BaseException | None = None
         self._inner: dict = {}  # the collector's metrics of the batch being handed out
-        self.counters = {"dropped_tokens": 0, "dropped_stale_groups": 0, "collector_wait_s": 0.0, "trainer_wait_s": 0.0}
+        self.counters = {"dropped_tokens": 0, "dropped_stale_groups": 0, "masked_stale_tokens": 0,
+                         "collector_wait_s": 0.0, "trainer_wait_s": 0.0}  # fmt: skip
 
     @property
     def steps_done(self) -> int:
@@ -174,6 +189,12 @@ class AsyncCollector(CollectorBase):
         n = int(stale.sum())
         if n == 0:
             return batch, 0
+        if self.stale_tokens == "mask":  # keep everything; the loss leaves the stale tokens out
+            keep = (~stale).to(torch.float32)
+            old = batch.get(keys.LOSS_WEIGHT, None)
+            batch.set(keys.LOSS_WEIGHT, keep if old is None else old.reshape(keep.shape) * keep)
+            self.counters["masked_stale_tokens"] += n
+            return batch, 0
         if batch.batch_dims == 1 or self.mode is CollectMode.TRAJECTORIES:  # whole trajectories go
             keep = ~stale.reshape(batch.shape[0], -1).any(-1)
             if self.options.is_whole_groups:
@@ -199,7 +220,8 @@ class AsyncCollector(CollectorBase):
         out.update(policy_version=self.version, tokens=0 if mask is None else int(mask.sum()),
                    staleness_mean=float(lag.mean()) if lag.numel() else 0.0,
                    staleness_max=float(lag.max()) if lag.numel() else 0.0,
-                   dropped_tokens=self.counters["dropped_tokens"] + int(inner.get("dropped_tokens", 0)))  # fmt: skip
+                   dropped_tokens=self.counters["dropped_tokens"] + int(inner.get("dropped_tokens", 0)),
+                   version_spanning_fraction=_spanning_fraction(batch))  # fmt: skip
         return out
 
     def push_weights(self, weights) -> int:
@@ -212,7 +234,7 @@ class AsyncCollector(CollectorBase):
         return version
 
     def describe(self) -> dict[str, object]:
-        return {"max_staleness": self.max_staleness, "version": self.version, "queued": len(self._queue),
+        return {"max_staleness": self.max_staleness, "stale_tokens": self.stale_tokens, "version": self.version, "queued": len(self._queue),
                 "collector": repr(self.collector)}  # fmt: skip
 
     # -- lifecycle and checkpoints --
@@ -256,3 +278,17 @@ class AsyncCollector(CollectorBase):
     def _check_not_started(self, name: str) -> None:
         if self._thread is not None:
             raise RuntimeError(f"{name} must come before iterating an AsyncCollector; build a new one")
+
+
+def _spanning_fraction(batch: TensorDictBase | None) -> float:
+    """The fraction of the batch's trajectories whose tokens come from more than one policy version."""
+    if batch is None or batch.numel() == 0:
+        return 0.0
+    mask, version, traj = batch.get(keys.MASK).reshape(-1), batch.get(keys.POLICY_VERSION).reshape(-1), batch.get(keys.TRAJ_ID).reshape(-1)
+    traj, version = traj[mask], version[mask]
+    if traj.numel() == 0:
+        return 0.0
+    ids, index = traj.unique(return_inverse=True)
+    low = torch.full((len(ids),), torch.iinfo(torch.int64).max).scatter_reduce(0, index, version, "amin")
+    high = torch.full((len(ids),), torch.iinfo(torch.int64).min).scatter_reduce(0, index, version, "amax")
+    return float((low < high).float().mean())
