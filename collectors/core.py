@@ -64,11 +64,24 @@ class CollectorOptions:
         use_progress_bar: a tqdm bar of collected tokens on stderr (only when stderr is a terminal).
         dynamic_sampling: a :class:`~tokengym.collectors.DynamicSampling` (DAPO, verl's ``filter_groups``): in
             ``TRAJECTORIES`` mode, batches of whole groups whose rewards spread, sampled until full.
+        partial_rollouts: with ``source="wave"`` and a policy that can be interrupted (``TransformersPolicy``),
+            weights published from another thread (``AsyncCollector``) interrupt the wave in progress: the tokens
+            generated so far are kept with their version and each sequence goes on under the new weights in the
+            next wave (then ``in_flight`` applies). False: the update waits for the wave's end.
+        over_sampling: with ``source="wave"`` in ``TRAJECTORIES`` mode (slime's over-sampling, APRIL): a wave stops as
+            soon as enough of its rows ended to fill the batch; the others go on in the next wave (long tails carried
+            over, into the next batch) instead of holding the finished slots idle until the longest row ends. Needs a
+            policy that honours ``WaveRequest.min_finished`` (``TransformersPolicy``; the others run whole waves).
     """
 
     def __init__(self, *, is_last_step_only: bool = False, is_fixed_width: bool = True, is_whole_groups: bool = True,
                  in_flight: InFlight | str = InFlight.CONTINUE, use_progress_bar: bool = False,
-                 dynamic_sampling: DynamicSampling | None = None) -> None:  # fmt: skip
+                 dynamic_sampling: DynamicSampling | None = None, partial_rollouts: bool = True,
+                 over_sampling: bool = False) -> None:  # fmt: skip
+        for name, value in (("partial_rollouts", partial_rollouts), ("over_sampling", over_sampling)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        self.partial_rollouts, self.over_sampling = partial_rollouts, over_sampling
         self.is_last_step_only, self.is_fixed_width = is_last_step_only, is_fixed_width
         self.is_whole_groups = is_whole_groups
         try:

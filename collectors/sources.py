@@ -6,6 +6,7 @@ report which slots took a new prompt (for the batch's prompt table). Pick one wi
 
 from __future__ import annotations
 
+import dataclasses
 from enum import StrEnum
 
 import torch
@@ -60,6 +61,7 @@ class StepSource:
     """One env step per call: ``policy(obs)`` (a :class:`StepPolicy`) then ``env.step_and_maybe_reset``."""
 
     kind = SourceKind.STEP
+    last_interrupted = 0  # a step is never interrupted: an update lands at the next step
 
     def __init__(self, env, policy: StepPolicy) -> None:
         if not supports_steps(policy):
@@ -119,6 +121,10 @@ class StepSource:
         """Start ``slots`` over from their prompts (in-flight work dropped)."""
         self.obs = _base(self.env).restart(slots)
 
+    def finished_slots(self) -> set[int]:
+        """Slots holding a finished trajectory until their refill: none, a step refills them at once."""
+        return set()
+
     def state_dict(self) -> dict:
         return {"obs": None if self.obs is None else self.obs.to_dict(), "to_refill": list(self.to_refill)}
 
@@ -148,6 +154,8 @@ class WaveSource:
         self.width: int | None = None  # pad waves to this many steps (a recorder's fixed batch width)
         self.cells = False  # give waves as their real steps (Cells): a recorder of trajectories that go on across waves
         self.last_steps = 0  # env steps of the last wave (without the padding)
+        self.last_interrupted = 0  # rows of the last wave the policy did not finish (interrupted by an update)
+        self.min_finished: int | None = None  # ask the policy to stop once this many rows ended (over-sampling)
 
     def start(self) -> tuple[list[int], PromptError | None]:
         self.done = torch.zeros(self.env.batch_size[0], dtype=torch.bool)
@@ -174,8 +182,12 @@ class WaveSource:
         if len(request) == 0:
             self.done = torch.zeros_like(self.done)
             return {}, refilled, None
+        if self.min_finished is not None:
+            request = dataclasses.replace(request, min_finished=self.min_finished)
+        result = self.policy.generate(request)
+        self.last_interrupted = 0 if result.finished is None else int((~result.finished).sum())
         if self.cells:
-            steps, counts = self.env.unroll_cells(request, self.policy.generate(request))
+            steps, counts = self.env.unroll_cells(request, result)
             self.last_steps = max(int(counts.max()), 1)
             live = (counts > 0).nonzero().squeeze(-1)
             done = steps.get(_NEXT).get(keys.DONE[1]).reshape(-1)
@@ -183,7 +195,7 @@ class WaveSource:
             self.done[live] = done[counts.cumsum(0).index_select(0, live) - 1]  # each slot's last step
             out = Cells({flat_name(k): v for k, v in steps.items(include_nested=True, leaves_only=True)}, counts)
         else:
-            steps = self.env.unroll(request, self.policy.generate(request), width=self.width)
+            steps = self.env.unroll(request, result, width=self.width)
             self.last_steps = max(int(steps.get(keys.ACTIVE).any(0).sum()), 1) if self.width else steps.shape[1]
             self.done = steps.get(_NEXT).get(keys.DONE[1]).squeeze(-1).any(1)
             out = {flat_name(k): v for k, v in steps.items(include_nested=True, leaves_only=True)}
@@ -193,6 +205,10 @@ class WaveSource:
 
     def restart(self, slots: list[int]) -> None:
         self.env.restart(slots)
+
+    def finished_slots(self) -> set[int]:
+        """Slots whose trajectory ended in the last wave (recorded, not in flight), refilled at the next one."""
+        return set() if self.done is None else set(self.done.nonzero().squeeze(-1).tolist())
 
     def state_dict(self) -> dict:
         return {"done": None if self.done is None else self.done.clone()}

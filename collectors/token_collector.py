@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -24,6 +25,7 @@ from tokengym.collectors.policies.protocol import (
     check_policy_env,
     check_policy_sampling,
     sampling_of,
+    supports_interrupt,
 )
 from tokengym.collectors.recorders import Step, StepRecorder, TrajectoryRecorder
 from tokengym.collectors.sources import SourceKind, make_source
@@ -106,7 +108,7 @@ class TokenCollector(CollectorBase):
         self.group_size = int(getattr(base.source, "group_size", 1))
         super().__init__(spec.for_env(slots=base.batch_size[0], group_size=self.group_size), postproc=postproc,
                          sink=sink, logger=logger)  # fmt: skip
-        if getattr(base.turns, "may_split", False) and spec.mode is CollectMode.STEPS:
+        if base.turns.may_split and spec.mode is CollectMode.STEPS:
             raise ValueError(f"{type(base.turns).__name__} may split an episode into several trajectories, whose parts "
                              "get the episode's reward when it ends: collect with mode='trajectories'")  # fmt: skip
         policy = as_token_policy(policy)
@@ -122,10 +124,20 @@ class TokenCollector(CollectorBase):
         self.pending: dict | None = None  # steps of a wave that did not fit into the last batch
         self._lock = threading.Lock()
         self._queued_weights: list = []  # weight updates asked for while collecting (another thread)
+        self._published_at: list[float] = []  # when each queued update was published (perf_counter)
         self._asked_version = policy.version  # the version the last update asked for will give
         self._collect_thread: int | None = None  # the thread iterating this collector
         self.num_threads = torch.get_num_threads()
-        self.counters = {"dropped_tokens": 0, "weight_updates": 0, "failed_prompts": 0}
+        self.counters = {"dropped_tokens": 0, "weight_updates": 0, "failed_prompts": 0, "interrupted_sequences": 0,
+                         "update_wait_s": 0.0}
+        # partial rollouts: an update from another thread interrupts the wave in progress
+        self._interrupts = (self.options.partial_rollouts and self.source.kind == SourceKind.WAVE
+                            and supports_interrupt(policy))  # fmt: skip
+        self._over_sampling = self.options.over_sampling
+        if self._over_sampling and (self.source.kind != SourceKind.WAVE or self.mode is not CollectMode.TRAJECTORIES):
+            raise ValueError(f"CollectorOptions(over_sampling=True) stops waves early to fill TRAJECTORIES batches: "
+                             f"collect with mode='trajectories' and source='wave' (got mode={self.mode.value!r}, "
+                             f"source={self.source.kind.value!r}), or leave over_sampling off")  # fmt: skip
         self.recorder = self.new_recorder()
 
     @property
@@ -174,6 +186,8 @@ class TokenCollector(CollectorBase):
         """Advance the source once and record what it produced."""
         if self._queued_weights:
             self._apply_queued_weights()
+        if self._over_sampling:  # the rows still needed to fill the batch: the wave may stop once they ended
+            self.source.min_finished = max(1, self.batch_size - self.recorder.num_ready)
         chunk, refilled, error = self.source.advance()
         if refilled:
             self._remember_prompts(refilled)
@@ -182,6 +196,7 @@ class TokenCollector(CollectorBase):
         parts = self.base_env.pop_parts()
         if parts:
             self.recorder.hold_parts(parts)
+        self.counters["interrupted_sequences"] += self.source.last_interrupted
         if chunk:
             self.steps_done += 1 if isinstance(chunk, Step) else getattr(self.source, "last_steps", 0) or next(iter(chunk.values())).shape[1]
             self.pending = self.recorder.write(chunk)
@@ -242,10 +257,11 @@ class TokenCollector(CollectorBase):
 
     def counts(self) -> dict[str, int]:
         """Failed prompts, dropped tokens, weight updates, the env's prompt counts (over-long prompts skipped or
-        truncated, reward errors) and, in ``TRAJECTORIES`` mode, the groups dropped and trajectories waiting
-        (with dynamic sampling, its counts: groups drawn, kept, dropped for zero spread...), and the policy's own
-        counters (a server fleet's: servers up, failovers, reloads, requests sent again)."""
-        out = {**self.counters, **self.base_env.prompt_counts, **policy_counts(self.policy)}
+        truncated) and turn metrics (its turn handler's counters: reward errors, tool calls...) and, in
+        ``TRAJECTORIES`` mode, the groups dropped and trajectories waiting (with dynamic sampling, its counts: groups
+        drawn, kept, dropped for zero spread...), and the policy's own counters (a server fleet's: servers up,
+        failovers, reloads, requests sent again)."""
+        out = {**self.counters, **self.base_env.prompt_counts, **self.base_env.turn_metrics, **policy_counts(self.policy)}
         if isinstance(self.recorder, TrajectoryRecorder):
             out.update(self.recorder.counters, waiting_trajectories=self.recorder.num_waiting)
             if self.recorder.sampling is not None:
@@ -286,6 +302,9 @@ class TokenCollector(CollectorBase):
             weights = None
         with self._lock:
             self._queued_weights.append(weights)
+            self._published_at.append(time.perf_counter())
+            if self._interrupts and self._collect_thread not in (None, threading.get_ident()):
+                self.policy.interrupt.set()  # the wave in progress stops; its rows go on under these weights
             # counted from the last version asked for, not from the queue: an update being applied has left
             # the queue before the policy's version moves
             self._asked_version = max(self._asked_version, self.policy.version) + 1
@@ -297,15 +316,22 @@ class TokenCollector(CollectorBase):
     def _apply_queued_weights(self) -> None:
         with self._lock:
             queued, self._queued_weights = self._queued_weights, []
+            published, self._published_at = self._published_at, []
+            if self._interrupts:
+                self.policy.interrupt.clear()
         for weights in queued:
             self.policy.update_weights(weights)
             self.counters["weight_updates"] += 1
+        applied = time.perf_counter()  # generation under the new weights starts now
+        self.counters["update_wait_s"] += sum(applied - t for t in published)
         if queued and self.options.in_flight is InFlight.DROP and self.is_started:
             self._drop_in_flight()
 
     def _drop_in_flight(self) -> None:
+        finished = self.source.finished_slots()  # their trajectories are recorded: nothing in flight there
         resp = [(b, int(self.base_env.history(b).numel()) - int(p.ids.numel()))
-                for b in range(self.base_env.batch_size[0]) if (p := self.base_env.slot_prompt(b)) is not None]  # fmt: skip
+                for b in range(self.base_env.batch_size[0])
+                if b not in finished and (p := self.base_env.slot_prompt(b)) is not None]  # fmt: skip
         slots = [b for b, n in resp if n > 0]
         if slots:
             self.counters["dropped_tokens"] += sum(n for _, n in resp if n > 0)

@@ -294,6 +294,11 @@ class TrajectoryRecorder:
         return len(self.ready) - self.ready_parts >= self.batch_size
 
     @property
+    def num_ready(self) -> int:
+        """Trajectories ready for the batch (whole groups; parts of split episodes not counted)."""
+        return len(self.ready) - self.ready_parts
+
+    @property
     def num_waiting(self) -> int:
         """Finished trajectories waiting for the rest of their group."""
         self.flush()

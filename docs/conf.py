@@ -26,6 +26,8 @@ myst_heading_anchors = 3
 
 html_theme = "furo"
 html_title = "tokengym"
+html_static_path = ["_static"]
+html_css_files = ["wrap-code.css"]  # code blocks wrap at the page width
 
 # No intersphinx: the build runs offline. References into torch, tensordict, transformers... stay plain
 # text; every reference to a tokengym name must resolve (nitpicky, and `make docs` turns warnings into errors).

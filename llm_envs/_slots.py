@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import torch
@@ -104,6 +105,27 @@ class Slots:
         self.max_finished = 4096
         self.log_probs: torch.Tensor | None = None  # (B, L) sampling log-prob of each generated token, if kept
         self.parts: list[int] = []  # trajectories that ended as parts of an episode going on, until a collector takes them
+        # each slot's episode id (kept across a split episode's trajectories and a restart), and the next one to give
+        self.episodes: list[int] = [-1] * B
+        self.next_episode = 0
+        # the next trajectories of split episodes (prompt, episode id), loaded before new draws at the next refill
+        self.continuations: collections.deque[tuple[Prompt, int]] = collections.deque()
+        # (slot, error) of episodes a turn handler failed, raised at the next refill
+        self.failures: list[tuple[int, Exception]] = []
+        # slots that hold an episode but wait (inactive, not done) until the turn handler wakes them, and the length
+        # at which a woken slot's last turn ends (one token after its wake)
+        self.waiting: set[int] = set()
+        self.closing: dict[int, int] = {}
+
+    def pop_failures(self) -> list[tuple[int, Exception]]:
+        """The (slot, error) of the episodes failed since the last call."""
+        failures, self.failures = self.failures, []
+        return failures
+
+    def new_episode(self) -> int:
+        """The id of an episode starting now."""
+        self.next_episode += 1
+        return self.next_episode - 1
 
     def keep_log_probs(self) -> None:
         """Keep each generated token's sampling log-prob beside it (a turn handler that replies with them)."""
@@ -136,9 +158,9 @@ class Slots:
     def observation(self, done, terminated, truncated, reward=None) -> TensorDict:
         """The state as a TensorDict, with the flags (and reward) given: the state tensors are shared."""
         out = dict(self.state)
-        out.update(done=done, terminated=terminated, truncated=truncated)
+        out[keys.DONE_NAME], out[keys.TERMINATED_NAME], out[keys.TRUNCATED_NAME] = done, terminated, truncated
         if reward is not None:
-            out["reward"] = reward
+            out[keys.REWARD_NAME] = reward
         return TensorDict._new_unsafe(out, batch_size=self.done.shape)
 
     def reset_observation(self) -> TensorDict:
@@ -154,6 +176,13 @@ class Slots:
             self.prompts[b] = prompt
             self.done[b] = False
         self.next_traj += len(loaded)
+        if self.waiting or self.closing:
+            self._forget_waits([b for b, _ in loaded])
+
+    def _forget_waits(self, slots) -> None:
+        for b in slots:
+            self.waiting.discard(b)
+            self.closing.pop(b, None)
 
     def _live_table(self) -> torch.Tensor | None:
         """:attr:`table` while its rows are still the state's tensors (right after :meth:`copy_on_write`), else None."""
@@ -169,12 +198,52 @@ class Slots:
         s[keys.ACTIVE][b] = False
         s[keys.SEQ_LEN][b] = s[keys.PROMPT_LEN][b] = 0  # a stale seq_len may equal max_length
         self.done[b] = is_done
+        if self.waiting or self.closing:
+            self._forget_waits([b])
+
+    # -- waiting slots (a turn handler holds them while other slots move) --
+    def hold(self, rows: list[int]) -> None:
+        """Slots whose turn ended wait: inactive (no steps), holding their tokens and lengths, until woken."""
+        s = self.state
+        s[keys.ACTIVE] = s[keys.ACTIVE].clone()  # the observation handed out keeps its own
+        s[keys.ACTIVE][rows] = False
+        self.waiting.update(rows)
+        self.deadline, self.all_active = None, False
+
+    def wake(self, appended: dict[int, torch.Tensor], closing: list[int]) -> int:
+        """Waiting slots go on: ``appended`` ids written after their last turn (their next turn starts after them);
+        ``closing``: slots whose next turn is one token long. Returns the number of tokens written."""
+        s = self.state
+        written = 0
+        if appended:
+            at = s[keys.SEQ_LEN].clone()
+            self.write_feedback(appended, at)
+            written = self.continue_turns(appended, at)
+        bare = [b for b in closing if b not in appended]  # no feedback (it did not fit): a new turn all the same
+        if bare:
+            s[keys.PROMPT_LEN], s[keys.TURN] = s[keys.PROMPT_LEN].clone(), s[keys.TURN].clone()
+            s[keys.PROMPT_LEN][bare] = s[keys.SEQ_LEN][bare]
+            s[keys.TURN][bare] += 1
+        self.activate(list(appended) + bare)
+        for b in closing:
+            self.closing[b] = int(s[keys.SEQ_LEN][b]) + 1
+        return written
+
+    def activate(self, rows: list[int]) -> None:
+        """Waiting slots take steps again."""
+        s = self.state
+        s[keys.ACTIVE] = s[keys.ACTIVE].clone()
+        s[keys.ACTIVE][rows] = True
+        self.waiting.difference_update(rows)
+        self.deadline, self.all_active = None, False
 
     def set_deadlines(self, max_new_tokens: int, max_length: int, max_turn_tokens: int | None) -> None:
         """The length at which each slot reaches a limit (its budget, the context, its turn's limit): a step and a
         wave add as many tokens to ``seq_len`` as to ``response_len``, so it moves only when slots change."""
         s = self.state
         budget = torch.clamp(s[keys.SEQ_LEN] - s[keys.RESPONSE_LEN] + max_new_tokens, max=max_length)
+        for b, cap in self.closing.items():  # a woken slot's last turn: one token
+            budget[b] = min(int(budget[b]), cap)
         self.budget_deadline = budget
         turn = None if max_turn_tokens is None else s[keys.PROMPT_LEN] + max_turn_tokens
         self.deadline = budget if turn is None else torch.minimum(budget, turn)
@@ -232,6 +301,10 @@ class Slots:
             "done": self.done.clone(),
             "is_reset": self.is_reset,
             "next_traj": self.next_traj,
+            "episodes": list(self.episodes),
+            "next_episode": self.next_episode,
+            "waiting": sorted(self.waiting),
+            "closing": sorted([b, cap] for b, cap in self.closing.items()),
             "prompts": [None if p is None else {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
                         for p in self.prompts],  # fmt: skip
         }
@@ -256,4 +329,11 @@ class Slots:
         self.done = state["done"].clone()
         self.any_done = bool(self.done.any())
         self.is_reset, self.next_traj = state["is_reset"], state["next_traj"]
+        # a checkpoint of an earlier release has no episode ids: each trajectory its own episode
+        self.episodes = list(state.get("episodes", self.state[keys.TRAJ_ID].tolist()))
+        self.next_episode = int(state.get("next_episode", self.next_traj))
+        self.continuations.clear()  # a live episode's next trajectory cannot be saved
+        self.failures = []
+        self.waiting = set(state.get("waiting", []))
+        self.closing = {int(b): int(cap) for b, cap in state.get("closing", [])}
         self.prompts = [None if p is None else Prompt(**p) for p in state["prompts"]]

@@ -102,6 +102,8 @@ class StepCore:
         any_done = bool(done.any())
         rt.commit(action, active, new_len, resp_len, done, any_done=any_done)
         self.turn_ends.continue_turns(end.appended, new_len)
+        if self.turn_ends.pending is not None:  # slots that wait, slots woken
+            self.turn_ends.settle()
         rt.flags = (done.unsqueeze(-1), end.terminated.unsqueeze(-1), end.truncated.unsqueeze(-1))
         rt.done_slots = done.nonzero().squeeze(-1).tolist() if any_done else []
         return rt.observation(*rt.flags, end.reward)
@@ -167,6 +169,10 @@ class StepCore:
         budget = torch.minimum(limits.max_new_tokens - resp_len, limits.max_length - seq_len)
         if limits.max_turn_tokens is not None:
             budget = torch.minimum(budget, limits.max_turn_tokens - (seq_len - s[keys.PROMPT_LEN][slots]))
+        if self.slots.closing:  # a woken slot's last turn: one token
+            for i, b in enumerate(slots.tolist()):
+                if b in self.slots.closing:
+                    budget[i] = min(int(budget[i]), self.slots.closing[b] - int(seq_len[i]))
         prompts = [self.slots.tokens[b, : int(n)] for b, n in zip(slots.tolist(), seq_len.tolist(), strict=True)]
         return WaveRequest(slots=slots, prompts=prompts, max_new_tokens=budget,
                            eos_token_ids=tuple(sorted(eos_token_ids)), stop_strings=stop_strings)  # fmt: skip
@@ -194,4 +200,6 @@ class StepCore:
         rt.copy_on_write()
         rt.commit(steps.last_action, steps.in_wave, steps.new_len, steps.resp_len, done, any_done=bool(done.any()))
         self.turn_ends.continue_turns(end.appended, steps.new_len)
+        if self.turn_ends.pending is not None:
+            self.turn_ends.settle()
         return steps.to_cells(end, rt.state) if cells else steps.to_tensordict(end, rt.state, width)

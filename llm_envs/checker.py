@@ -138,7 +138,7 @@ class _Rollout:
         if reward is None or reward.dtype != torch.float32 or reward.shape != (self.B, 1):
             got = None if reward is None else (reward.dtype, tuple(reward.shape))
             raise _fail("reward dtype/shape", step, "all", f"expected float32 ({self.B}, 1), got {got}")
-        done, term, trunc = flags["done"], flags["terminated"], flags["truncated"]
+        done, term, trunc = flags[keys.DONE_NAME], flags[keys.TERMINATED_NAME], flags[keys.TRUNCATED_NAME]
         active = before.get(keys.ACTIVE)
         self._each(
             "done == terminated | truncated",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 
 __all__ = ["TokenGymError", "TokenGymWarning", "ResetNeeded", "RewardFunctionError", "ContractError", "PromptError",
-           "refill_failures"]
+           "EpisodeError", "refill_failures"]
 
 
 class TokenGymError(Exception):
@@ -43,6 +43,18 @@ class PromptError(TokenGymError, ValueError):
     def __init__(self, message: str, *, slots: list[int] | None = None, observation=None) -> None:
         super().__init__(message)
         self.slots, self.observation, self.step = slots or [], observation, None
+
+
+class EpisodeError(PromptError):
+    """One episode failed and ended with reward 0 (a turn handler answered ``Turn.failed``, or raised it when the
+    episode started); only that episode ended. Raised at the next refill, through the ``PromptError`` path."""
+
+    what = "episode(s) failed and ended with reward 0"
+
+    def __init__(self, message: str, *, what: str | None = None, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        if what is not None:
+            self.what = what
 
 
 def refill_failures(failed: list[tuple[int, PromptError]]) -> str:

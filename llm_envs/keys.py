@@ -101,9 +101,12 @@ LOSS_WEIGHT = "loss_weight"  # float32 (B,) per-token loss weight (clip-filter /
 # mismatch correction (issue #24): the trainer's teacher-forced log-prob of each action at the training step's start
 TRAINER_LOG_PROB = "trainer_log_prob"  # float32 (B,) written by MismatchCorrection; the decoupled PPO ratio's old log-prob
 
+# the outcome keys' names inside a step's "next" TensorDict, where the env writes them
+REWARD_NAME, DONE_NAME, TERMINATED_NAME, TRUNCATED_NAME = REWARD[1], DONE[1], TERMINATED[1], TRUNCATED[1]
+
 OBSERVATION_KEYS = (TOKEN, SEQ_LEN, PROMPT_LEN, RESPONSE_LEN, TRAJ_ID, GROUP_ID, SAMPLE_ID, TURN, ACTIVE)
 PROVENANCE_KEYS = (TRAJ_ID, GROUP_ID, SAMPLE_ID, TURN, POLICY_VERSION)
-DONE_KEYS = ("done", "terminated", "truncated")
+DONE_KEYS = (DONE_NAME, TERMINATED_NAME, TRUNCATED_NAME)
 
 
 def make_spec(batch_size: int, vocab_size: int, max_length: int) -> dict[str, Composite]:
@@ -139,9 +142,9 @@ def make_spec(batch_size: int, vocab_size: int, max_length: int) -> dict[str, Co
     done_one = Categorical(2, shape=(batch_size, 1), dtype=torch.bool)
     return {
         "observation": observation,
-        "action": Categorical(vocab_size, shape=shape, dtype=torch.int64),
-        "reward": Unbounded(shape=(batch_size, 1), dtype=torch.float32),
-        "done": Composite(
+        ACTION: Categorical(vocab_size, shape=shape, dtype=torch.int64),
+        REWARD_NAME: Unbounded(shape=(batch_size, 1), dtype=torch.float32),
+        DONE_NAME: Composite(
             {name: done_one.clone() for name in DONE_KEYS},
             shape=shape,
         ),

@@ -1,4 +1,8 @@
-"""MultiTurnTokenEnv: a :class:`TokenEnv` whose turns a ``turn_fn`` answers (feedback turns, in the slot)."""
+"""MultiTurnTokenEnv: a :class:`TokenEnv` whose turns a ``turn_fn`` answers (feedback turns, in the slot).
+
+A function returning a ``TokenEnv`` (a subclass before this release): the env's behaviour is its turn handler's,
+:class:`~tokengym.llm_envs.turns.FeedbackTurns` (``env.turns.turn_fn`` is the function).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from tokengym.llm_envs.turns.protocol import Turn
 __all__ = ["MultiTurnTokenEnv", "Turn", "TurnFn"]
 
 
-class MultiTurnTokenEnv(TokenEnv):
+def MultiTurnTokenEnv(prompts, tokenizer, turn_fn: TurnFn, *, max_turns: int = 2, **kwargs) -> TokenEnv:  # noqa: N802
     """``TokenEnv(prompts, tokenizer, turns=FeedbackTurns(turn_fn), max_turns=...)``: feedback turns by a function.
 
     When a slot's turn ends, ``turn_fn(responses, prompts, metadata, turns)`` scores it (the text of
@@ -28,6 +32,9 @@ class MultiTurnTokenEnv(TokenEnv):
         max_turns: turns per episode (>= 1).
         **kwargs: the other :class:`TokenEnv` arguments (``reward_fn`` is not used: ``turn_fn`` rewards).
 
+    Returns:
+        a :class:`TokenEnv` with ``turns=FeedbackTurns(turn_fn)``.
+
     Example:
         >>> import torch
         >>> from tokengym.testing import tiny_tokenizer
@@ -39,14 +46,7 @@ class MultiTurnTokenEnv(TokenEnv):
         >>> out["turn"].tolist(), out["done"].item(), int(out["seq_len"]) > int(td["seq_len"]) + 1
         ([1], False, True)
     """
-
-    def __init__(self, prompts, tokenizer, turn_fn: TurnFn, *, max_turns: int = 2, **kwargs) -> None:
-        if kwargs.get("reward_fn") is not None:
-            raise ValueError("MultiTurnTokenEnv rewards through turn_fn; pass reward_fn=None")
-        kwargs.pop("reward_fn", None)
-        super().__init__(prompts, tokenizer, turns=FeedbackTurns(turn_fn), max_turns=max_turns, **kwargs)
-
-    @property
-    def turn_fn(self) -> TurnFn:
-        """The function that answers turns."""
-        return self.turns.turn_fn
+    if kwargs.get("reward_fn") is not None:
+        raise ValueError("MultiTurnTokenEnv rewards through turn_fn; pass reward_fn=None")
+    kwargs.pop("reward_fn", None)
+    return TokenEnv(prompts, tokenizer, turns=FeedbackTurns(turn_fn), max_turns=max_turns, **kwargs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -19,7 +19,7 @@ from tokengym.llm_envs._stop import StopChecker
 from tokengym.llm_envs._turn_ends import TurnEnds
 from tokengym.llm_envs.errors import PromptError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
-from tokengym.llm_envs.turns.protocol import TurnHandler
+from tokengym.llm_envs.turns.protocol import EnvFacts, HeldEpisode, TurnHandler
 from tokengym.llm_envs.turns.render import ChatRenderer
 from tokengym.llm_envs.turns.scoring import RewardTurns, turn_handler
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
@@ -140,26 +140,49 @@ class TokenEnv(EnvBase):
         self._stop = StopChecker(tokenizer, stop_strings, self.vocab_size)
         self._make_specs()
         self._alloc()
+        self.turns.bind(self.facts())
 
     # -- setup --
     def _make_specs(self) -> None:
         specs = keys.make_spec(self.batch_size[0], self.vocab_size, self.max_length)
         self.observation_spec = specs["observation"]
-        self.action_spec = specs["action"]
-        self.reward_spec = specs["reward"]
-        self.full_done_spec = specs["done"]
+        self.action_spec = specs[keys.ACTION]
+        self.reward_spec = specs[keys.REWARD_NAME]
+        self.full_done_spec = specs[keys.DONE_NAME]
 
     def _alloc(self) -> None:
         self._slots = Slots(self.batch_size[0], self.max_length)
-        self._loader = PromptLoader(self._slots, max_length=self.max_length, vocab_size=self.vocab_size)
         self._turn_ends = TurnEnds(self._slots, self._renderer, max_turns=self.max_turns, max_length=self.max_length,
-                                   vocab_size=self.vocab_size, decode=self.decode_responses)  # fmt: skip
+                                   vocab_size=self.vocab_size, decode=self.decode_responses,
+                                   encode=self._encode_observation)  # fmt: skip
+        self._loader = PromptLoader(self._slots, max_length=self.max_length, vocab_size=self.vocab_size,
+                                    encode=self._encode_observation, counts=self._turn_ends.metrics,
+                                    wake=self._turn_ends.wake_now)  # fmt: skip
         if self.turns.wants_log_probs:
             self._slots.keep_log_probs()
         eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)
         self._core = StepCore(self._slots, self._turn_ends, self._stop, eos, self.vocab_size)
         self._reset_td = None
         self._decoder: ResponseDecoder | None = None
+
+    def facts(self) -> EnvFacts:
+        """What the turn handler is told about this env (:meth:`TurnHandler.bind`)."""
+        limit = getattr(self.source, "max_prompt_length", None)
+        return EnvFacts(tokenizer=self.tokenizer, eos_token_ids=frozenset(self.eos_token_ids), max_turns=self.max_turns,
+                        max_length=self.max_length, max_new_tokens=self.max_new_tokens,
+                        max_turn_tokens=self.max_turn_tokens,
+                        max_prompt_length=self.max_length - 1 if limit is None else min(limit, self.max_length - 1),
+                        batch_size=self.batch_size[0], group_size=int(getattr(self.source, "group_size", 1)),
+                        stop_strings=tuple(self.stop_strings))  # fmt: skip
+
+    def _encode_observation(self, item) -> tuple[torch.Tensor, str, dict, list | None]:
+        """Ids, text, metadata and chat messages of an observation a handler serves (a prompt item: a text, chat
+        messages, token ids, or a mapping with a ``prompt`` field whose other fields are metadata), encoded as the
+        prompt source encodes prompts."""
+        ids, text, meta = self.source.encode(item, -1)
+        chat = item.get("prompt", item.get("messages")) if isinstance(item, Mapping) else item
+        is_chat = isinstance(chat, list | tuple) and bool(chat) and all(isinstance(m, Mapping) for m in chat)
+        return ids, text, meta, [dict(m) for m in chat] if is_chat else None
 
     def _set_seed(self, seed: int | None) -> None:
         if seed is not None:
@@ -192,11 +215,16 @@ class TokenEnv(EnvBase):
         if not isinstance(self.turns, RewardTurns):
             raise ValueError(f"this env's turns are answered by {type(self.turns).__name__}, not a reward_fn")
         self.turns = RewardTurns(fn)
+        self.turns.bind(self.facts())
 
     @property
-    def turn_metrics(self) -> dict[str, int]:
-        """Turns that went on to a next turn (``turns``) and the feedback tokens written (``feedback_tokens``)."""
-        return self._turn_ends.metrics
+    def turn_metrics(self) -> dict[str, float]:
+        """The env's turn counters and its turn handler's (:meth:`TurnHandler.metrics`), cumulative: turns that went
+        on to a next turn (``feedback_turns``), the feedback tokens written (``feedback_tokens``), episodes ended
+        because their feedback did not fit (``feedback_did_not_fit``), episodes a handler failed
+        (``failed_episodes``), then the handler's own (``tool_calls``, ``reward_errors``...). Every collector adds them
+        to its ``metrics``."""
+        return {**self._turn_ends.metrics, **self.turns.metrics()}
 
     # -- public read-only views --
     @property
@@ -239,6 +267,12 @@ class TokenEnv(EnvBase):
         if parts:  # the usual step splits nothing: no new list
             self._slots.parts = []
         return parts
+
+    def held_episode(self, slot: int) -> HeldEpisode | None:
+        """What ``slot`` holds, as the turn handler's hooks name it (slot, trajectory and episode ids, prompt);
+        ``None`` for an idle slot."""
+        prompt = self._slots.prompts[slot]
+        return None if prompt is None else HeldEpisode(slot, self.slot_trajectory(slot), self._slots.episodes[slot], prompt)
 
     def slot_trajectory(self, slot: int) -> int:
         """The trajectory id of ``slot``'s current trajectory."""
@@ -287,26 +321,29 @@ class TokenEnv(EnvBase):
 
     @property
     def prompt_counts(self) -> dict[str, int]:
-        """Prompt draws left out (``prompts_skipped_overlong``) or truncated (``prompts_truncated``) so far,
-        and the reward function's ``counts`` (``reward_errors``: model answers its verifier raised on, scored 0)."""
-        counts = dict(getattr(self.source, "counts", {}))
-        counts.update(getattr(self.turns, "counts", {}))
-        return counts
+        """Prompt draws left out (``prompts_skipped_overlong``) or truncated (``prompts_truncated``) so far, and
+        the turn handler's metrics (``reward_errors``: model answers a verifier raised on, scored 0; all of
+        :attr:`turn_metrics` has them too)."""
+        return {**self.source.counts, **self.turns.metrics()}
 
     @property
     def is_exhausted(self) -> bool:
         """True once the prompt source is empty and no slot holds a live trajectory."""
-        return self.source.is_exhausted and not bool(self._slots.state[keys.ACTIVE].any())
+        return self.source.is_exhausted and not (self._slots.waiting or bool(self._slots.state[keys.ACTIVE].any()))
 
     # -- checkpoints --
     def state_dict(self) -> dict:
-        """Everything needed to resume: prompt cursor, slot contents, counters."""
-        return {"source": self.source.state_dict(), **self._slots.state_dict()}
+        """Everything needed to resume: prompt cursor, slot contents, counters, and the turn handler's
+        :meth:`~tokengym.llm_envs.turns.TurnHandler.state_dict` (when it keeps any)."""
+        turns = self.turns.state_dict()
+        return {"source": self.source.state_dict(), **self._slots.state_dict(), **({"turns": turns} if turns else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from :meth:`state_dict` (of an env with the same batch size and max_length)."""
         self._slots.load_state_dict(state)
         self.source.load_state_dict(state["source"])
+        if "turns" in state:
+            self.turns.load_state_dict(state["turns"])
 
     # -- reset --
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:

@@ -35,7 +35,9 @@ class WaveSteps:
     raw_log_probs: torch.Tensor | None
     lengths: torch.Tensor  # (B,) 0 for slots outside the wave
     version: int
-    in_wave: torch.Tensor  # bool (B,)
+    in_wave: torch.Tensor  # bool (B,): rows of the request that hold at least one token
+    unfinished: torch.Tensor | None = None  # bool (B,): interrupted rows (their turn goes on in the next wave)
+    versions: torch.Tensor | None = None  # int64 (B, T) per-token versions, or None: every token has ``version``
     # filled by unroll_wave
     end: torch.Tensor | None = None
     ended: torch.Tensor | None = None
@@ -60,8 +62,18 @@ class WaveSteps:
                 f"WaveResult rows must match the request's {n} prompts: actions {tuple(actions.shape)}, "
                 f"lengths {tuple(result.lengths.shape)}, log_probs {tuple(result.log_probs.shape)}"
             )
-        if n and (int(result.lengths.min()) < 1 or int(result.lengths.max()) > actions.shape[1]):
-            raise ValueError(f"WaveResult.lengths must lie in [1, {actions.shape[1]}], got {result.lengths.tolist()}")
+        finished = result.finished
+        if finished is not None and (not isinstance(finished, torch.Tensor) or finished.dtype != torch.bool
+                                     or tuple(finished.shape) != (n,)):  # fmt: skip
+            raise ValueError(f"WaveResult.finished must be a bool tensor ({n},) (False: the row was interrupted), got "
+                             f"{getattr(finished, 'dtype', type(finished))} {tuple(getattr(finished, 'shape', ()))}")  # fmt: skip
+        low = result.lengths if finished is None else torch.where(finished, result.lengths, 1)  # unfinished: may be 0
+        if n and (int(low.min()) < 1 or int(result.lengths.min()) < 0 or int(result.lengths.max()) > actions.shape[1]):
+            raise ValueError(f"WaveResult.lengths must lie in [1, {actions.shape[1]}] (0 allowed only where "
+                             f"finished is False), got {result.lengths.tolist()}")  # fmt: skip
+        if result.versions is not None and (result.versions.shape != actions.shape or result.versions.dtype != torch.int64):
+            raise ValueError(f"WaveResult.versions must be int64 {tuple(actions.shape)} like actions, got "
+                             f"{result.versions.dtype} {tuple(result.versions.shape)}")  # fmt: skip
         T, slots = max(actions.shape[1], 1), request.slots
         full = torch.zeros(batch, T, dtype=torch.int64)
         full[slots, : actions.shape[1]] = actions
@@ -74,8 +86,15 @@ class WaveSteps:
         lengths = torch.zeros(batch, dtype=torch.int64)
         lengths[slots] = result.lengths
         in_wave = torch.zeros(batch, dtype=torch.bool)
-        in_wave[slots] = True
-        return cls(full, logp, raw, lengths, int(result.version), in_wave)
+        in_wave[slots] = result.lengths > 0  # an interrupted row that produced nothing yet is left as it was
+        unfinished = versions = None
+        if finished is not None and not bool(finished.all()):
+            unfinished = torch.zeros(batch, dtype=torch.bool)
+            unfinished[slots] = ~finished
+        if result.versions is not None:
+            versions = torch.full((batch, T), int(result.version), dtype=torch.int64)
+            versions[slots, : actions.shape[1]] = result.versions
+        return cls(full, logp, raw, lengths, int(result.version), in_wave, unfinished, versions)
 
     def rollback(self, tokens: torch.Tensor) -> None:
         """Restore the buffer entries the wave overwrote (a failed reward function leaves no trace)."""
@@ -98,6 +117,8 @@ class WaveSteps:
             self.log_probs = torch.nn.functional.pad(self.log_probs, (0, grow))
             if self.raw_log_probs is not None:
                 self.raw_log_probs = torch.nn.functional.pad(self.raw_log_probs, (0, grow))
+            if self.versions is not None:
+                self.versions = torch.nn.functional.pad(self.versions, (0, grow))
         t = torch.arange(Tn)
         end_at = torch.where(self.in_wave, self.end, -1)[:, None]  # (B, 1): -1 outside the wave
         valid = t <= end_at  # (B, Tn)
@@ -120,9 +141,11 @@ class WaveSteps:
                 nxt[key][rows, self.end[rows]] = after[key][rows]
         reward = torch.where(is_end, end.reward[:, :1], 0.0).unsqueeze(-1)
         done = (term | trunc).unsqueeze(-1)
-        nxt.update(reward=reward, done=done, terminated=term.unsqueeze(-1), truncated=trunc.unsqueeze(-1))
+        nxt[keys.REWARD_NAME], nxt[keys.DONE_NAME] = reward, done
+        nxt[keys.TERMINATED_NAME], nxt[keys.TRUNCATED_NAME] = term.unsqueeze(-1), trunc.unsqueeze(-1)
         out = {**obs, keys.ACTION: acts, keys.ACTION_LOG_PROB: self.log_probs[:, :Tn] * valid,
-               keys.POLICY_VERSION: valid * self.version, keys.NEXT: TensorDict._new_unsafe(nxt, torch.Size([B, Tn]))}  # fmt: skip
+               keys.POLICY_VERSION: valid * (self.version if self.versions is None else self.versions[:, :Tn]),
+               keys.NEXT: TensorDict._new_unsafe(nxt, torch.Size([B, Tn]))}  # fmt: skip
         if self.raw_log_probs is not None:
             out[keys.RAW_LOG_PROB] = self.raw_log_probs[:, :Tn] * valid
         return TensorDict._new_unsafe(out, torch.Size([B, Tn]))
@@ -161,9 +184,11 @@ class WaveSteps:
         reward[ends] = end.reward.index_select(0, rows)[:, :1]
         term, trunc = torch.zeros(n, 1, dtype=torch.bool), torch.zeros(n, 1, dtype=torch.bool)
         term[ends, 0], trunc[ends, 0] = end.terminated.index_select(0, rows), end.truncated.index_select(0, rows)
-        nxt.update(reward=reward, done=term | trunc, terminated=term, truncated=trunc)
+        nxt[keys.REWARD_NAME], nxt[keys.DONE_NAME] = reward, term | trunc
+        nxt[keys.TERMINATED_NAME], nxt[keys.TRUNCATED_NAME] = term, trunc
         out = {**obs, keys.ACTION: acts, keys.ACTION_LOG_PROB: self.log_probs.reshape(-1).index_select(0, at),
-               keys.POLICY_VERSION: torch.full((n,), self.version), keys.NEXT: TensorDict._new_unsafe(nxt, torch.Size([n]))}  # fmt: skip
+               keys.POLICY_VERSION: torch.full((n,), self.version) if self.versions is None
+               else self.versions.reshape(-1).index_select(0, at), keys.NEXT: TensorDict._new_unsafe(nxt, torch.Size([n]))}  # fmt: skip
         if self.raw_log_probs is not None:
             out[keys.RAW_LOG_PROB] = self.raw_log_probs.reshape(-1).index_select(0, at)
         return TensorDict._new_unsafe(out, torch.Size([n])), steps
@@ -234,7 +259,10 @@ def unroll_wave(wave: WaveSteps, state: dict, tokens: torch.Tensor, rules: dict)
     at_cut = wave.end >= cut_at if cut_at is not None else torch.zeros_like(in_wave)
     wave.cut = in_wave & ~wave.ended & ~at_budget & at_cut
     # as stepping has it: the budget flag stands even where EOS came on the last token (the episode cannot go on)
-    wave.limited = in_wave & (at_budget | (~wave.ended & ~wave.cut))
+    backend_stop = ~wave.ended & ~wave.cut  # the backend stopped the row: truncated, unless it was interrupted
+    if wave.unfinished is not None:
+        backend_stop &= ~wave.unfinished
+    wave.limited = in_wave & (at_budget | backend_stop)
     wave.new_len = torch.where(in_wave, seq0 + wave.end + 1, seq0)
     wave.resp_len = torch.where(in_wave, resp0 + wave.end + 1, resp0)
     idx = torch.arange(B)

@@ -64,34 +64,76 @@ def _key_strings() -> set[str]:
 
 
 _NESTED_ROOTS = {k[0] for k in vars(keys).values() if isinstance(k, tuple) and k and isinstance(k[0], str)}
-# metric names that happen to equal a key string, read from a metrics dict (not a TensorDict)
-_METRIC_READS = {("tokengym/training.py", "kl")}
+# names that equal a key string but are not TensorDict keys: fields of metrics dicts and checkpoint dicts
+_NOT_TENSORDICT = {
+    ("tokengym/training.py", "kl"): "a row of train() metrics",
+    ("tokengym/_demo.py", "reward"): "a row of the demo's metrics",
+    ("tokengym/_demo.py", "kl"): "a row of the demo's metrics",
+    ("tokengym/_recipe_reasoning_gym.py", "reward"): "a row of the recipe's metrics",
+    ("tokengym/_recipe_reasoning_gym.py", "kl"): "a row of the recipe's metrics",
+    ("tokengym/evaluation.py", "reward"): "evaluate()'s running totals",
+    ("tokengym/evaluation.py", "prompts"): "evaluate()'s metrics",
+    ("collectors/_metrics.py", "tokens"): "a collector's metrics",
+    ("collectors/token_collector.py", "tokens"): "a collector's metrics",
+    ("collectors/async_collector.py", "tokens"): "a collector's metrics",
+    ("collectors/async_collector.py", "policy_version"): "a collector's metrics",
+    ("collectors/async_collector.py", "collector"): "a checkpoint field",
+    ("collectors/_checkpoint.py", "prompts"): "a checkpoint field",
+    ("collectors/policies/kv_cache.py", "mask"): "a checkpoint field",
+    ("collectors/sources.py", "done"): "a checkpoint field",
+    ("llm_envs/_slots.py", "tokens"): "a checkpoint field",
+    ("llm_envs/_slots.py", "done"): "a checkpoint field",
+    ("llm_envs/_slots.py", "prompts"): "a checkpoint field",
+}
 _KEY_METHODS = {"get", "set", "set_non_tensor", "get_non_tensor", "exclude", "select", "pop", "rename_key_"}
+_KEYWORD_WRITERS = {"update", "TensorDict", "_new_unsafe", "from_dict"}  # calls whose keyword names are keys
 
 
 def _key_literals(tree):
-    """String literals used as TensorDict keys: arguments of get/set/exclude/..., and nested-key tuples."""
+    """``(line, name)`` of strings used as TensorDict keys: arguments of get/set/exclude/..., nested-key tuples,
+    keyword names given to ``update(...)`` / ``TensorDict(...)``, and string subscripts (``out["reward"]``)."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _KEY_METHODS:
             for arg in node.args[:1]:
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-                    yield arg
+                    yield arg.lineno, arg.value
+        if isinstance(node, ast.Call):
+            callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if callee in _KEYWORD_WRITERS:
+                yield from ((node.lineno, kw.arg) for kw in node.keywords if kw.arg is not None)
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+            yield node.lineno, node.slice.value
         if isinstance(node, ast.Tuple) and len(node.elts) >= 2:  # a nested key: ("next", "reward")
             if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
                 if node.elts[0].value in _NESTED_ROOTS:
-                    yield from node.elts
+                    yield from ((e.lineno, e.value) for e in node.elts)
+
+
+def _offences(key_strings, paths):
+    out = []
+    for path in paths:
+        if path.name == "keys.py":
+            continue
+        where = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+        for line, name in _key_literals(_tree(path)):
+            if name in key_strings and (where, name) not in _NOT_TENSORDICT:
+                out.append(f"{where}:{line} {name!r}")
+    return out
 
 
 def test_key_strings_are_only_typed_in_keys_py():
-    key_strings = _key_strings()
-    offences = []
-    for path in MODULES:
-        if path.name == "keys.py":
-            continue
-        for node in _key_literals(_tree(path)):
-            if node.value in key_strings and (str(path.relative_to(ROOT)), node.value) not in _METRIC_READS:
-                offences.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    offences = _offences(_key_strings(), MODULES)
     assert not offences, "key strings typed outside llm_envs/keys.py:\n" + "\n".join(offences)
+
+
+def test_the_key_check_sees_keyword_names_and_subscripts(tmp_path):
+    """The forms the env used to write keys in (``out.update(done=...)``, ``out["reward"]``, ``nxt.update(reward=...)``,
+    ``flags["done"]``, ``TensorDict(action=...)``) are offences; the constants are not."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("out.update(done=d, terminated=t)\nout['reward'] = r\nx = flags['done']\n"
+                   "td = TensorDict(action=a)\nok = out[keys.REWARD_NAME]\n")  # fmt: skip
+    assert _offences(_key_strings(), [bad]) == ["bad.py:1 'done'", "bad.py:1 'terminated'", "bad.py:2 'reward'",
+                                                "bad.py:3 'done'", "bad.py:4 'action'"]  # fmt: skip
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))

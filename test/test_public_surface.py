@@ -21,6 +21,7 @@ PACKAGES = [
     "tokengym.testing",
     "tokengym.training",
     "tokengym.evaluation",
+    "tokengym.warm_start",
 ]
 
 

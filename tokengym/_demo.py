@@ -1,10 +1,15 @@
 """The main job behind ``make demo``: GRPO-style RL of an offline tiny model with TorchRL's ClipPPOLoss.
 
-The task is ``a+b=`` with operands in ``[0, max_operand]``. A few of these problems are held out:
-never trained on (neither in the warm start nor in RL), they show whether the model learns addition
-or memorises the training sums. A short supervised warm start teaches the answer format (and some
-answers); RL with an exact-match reward then raises the fraction of correct answers. Every
+The task is ``a+b=`` with operands in ``[0, max_operand]``. Some of these problems are held out: never
+trained on (neither in the warm start nor in RL), they show whether what RL teaches carries over to
+problems the model never saw. A held-out ``a+b=`` always has its commuted twin ``b+a=`` among the
+training problems (the same operands in the other order), so a 2-layer model can carry over what it
+learns. A short supervised warm start makes a partial solver (a third to two thirds of the training
+sums right); RL with an exact-match reward then raises the fraction of correct answers. Every
 ``eval_every`` iterations the model answers every training and held-out problem greedily.
+
+``--seeds N`` runs seeds ``seed .. seed + N - 1``, each twice from the same warm start: with the task's
+reward and with a random 0/1 reward (the control), and prints the held-out table and its verdict.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 import os
 import random
 import sys
@@ -21,6 +27,7 @@ import torch
 from torchrl.objectives import ClipPPOLoss
 
 from tokengym import training
+from tokengym._recipe_reasoning_gym import RandomReward
 from tokengym.collectors import TokenCollector
 from tokengym.collectors.async_collector import AsyncCollector
 from tokengym.collectors.policies import SamplingConfig, SequenceActor, TransformersPolicy
@@ -29,6 +36,7 @@ from tokengym.llm_envs.tasks import arithmetic_reward
 from tokengym.testing import tiny_model, tiny_tokenizer
 from tokengym.training import TrainOptions
 from tokengym.transforms import AdaptiveKLController, GroupAdvantage, KLRewardTransform
+from tokengym.warm_start import supervised_warm_start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,21 +49,26 @@ class DemoConfig:
     """Trajectories per batch (prompts per batch x group_size)."""
     group_size: int = 8
     """Samples per prompt for the group-relative advantage (TRL's num_generations, verl's rollout.n)."""
-    lr: float = 1e-3
-    """Adam learning rate."""
+    lr: float = 3e-4
+    """Adam learning rate of RL (from a short sweep over 5 seeds: 1e-3 and 5e-4 gained fewer held-out problems)."""
     max_new_tokens: int = 4
     """Response budget (tokens)."""
-    max_operand: int = 4
+    max_operand: int = 9
     """Operands lie in [0, max_operand]: (max_operand + 1)^2 distinct problems."""
-    held_out: int = 5
-    """Problems never trained on, evaluated to tell learning from memorisation."""
+    held_out: int = 30
+    """Problems never trained on, evaluated to tell learning that carries over from memorisation; each one's
+    commuted twin (b+a= for a+b=) is a training problem, so at most max_operand * (max_operand + 1) / 2."""
     eval_every: int = 10
     """Greedy evaluation on the training and held-out problems every this many iterations."""
-    warm_start_steps: int = 40
+    warm_start_steps: int = 60
     """Supervised steps on the training answers before RL; a random-init 2-layer model does not find
-    addition by RL alone in minutes (it learns the format only), so RL starts from a partial solver."""
+    addition by RL alone in minutes (it learns the format only), so RL starts from a partial solver
+    (0.3-0.7 of the training sums right)."""
     seed: int = 0
     """Seed of the model init, the held-out split, prompt order and sampling."""
+    seeds: int = 1
+    """Seeds to run (from seed); more than 1 runs each from its warm start twice, with the task's reward and with a
+    random 0/1 reward (the control), and prints the held-out table and its verdict."""
     workers: int = 0
     """Ray rollout workers (pip install 'tokengym[ray]'); 0 collects in this process."""
     async_: bool = False
@@ -64,7 +77,7 @@ class DemoConfig:
     """Where the reward curve PNG goes."""
 
     def __post_init__(self) -> None:
-        for name in ("iterations", "trajectories", "group_size", "max_new_tokens", "max_operand", "eval_every"):
+        for name in ("iterations", "trajectories", "group_size", "max_new_tokens", "max_operand", "eval_every", "seeds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -79,43 +92,37 @@ class DemoConfig:
             )
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
-        n = (self.max_operand + 1) ** 2
-        if not self.held_out < n:
-            raise ValueError(f"held_out must be < the {n} problems of max_operand={self.max_operand}, got {self.held_out}")
+        pairs = self.max_operand * (self.max_operand + 1) // 2
+        if self.held_out > pairs:
+            raise ValueError(
+                f"held_out must be <= {pairs}, the pairs a != b of max_operand={self.max_operand} (a held-out a+b= "
+                f"keeps its twin b+a= in training), got {self.held_out}; raise max_operand or hold out fewer"
+            )
+        if self.seeds > 1 and (self.workers or self.async_):
+            raise ValueError(f"seeds={self.seeds} runs every seed in this process; drop --workers / --async")
 
 
 def split_problems(config: DemoConfig) -> tuple[list[dict], list[dict]]:
-    """Every ``a+b=`` problem of the config, shuffled by ``seed``: (training problems, held-out problems)."""
+    """Every ``a+b=`` problem of the config, shuffled by ``seed``: (training problems, held-out problems).
+
+    The held-out problems are the first ``held_out`` of the shuffled order with ``a != b`` whose twin ``b+a=``
+    is not held out already: every held-out sum's operands appear in training, in the other order."""
     m = config.max_operand
-    problems = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(m + 1) for b in range(m + 1)]
-    random.Random(config.seed).shuffle(problems)
-    return problems[config.held_out :], problems[: config.held_out]
+    pairs = [(a, b) for a in range(m + 1) for b in range(m + 1)]
+    random.Random(config.seed).shuffle(pairs)
+    held: set[tuple[int, int]] = set()
+    for a, b in pairs:
+        if len(held) < config.held_out and a != b and (b, a) not in held:
+            held.add((a, b))
+    problem = lambda a, b: {"prompt": f"{a}+{b}=", "answer": str(a + b)}  # noqa: E731
+    return ([problem(a, b) for a, b in pairs if (a, b) not in held],
+            [problem(a, b) for a, b in pairs if (a, b) in held])  # fmt: skip
 
 
 def warm_start(model, tok, prompts: list[dict], steps: int, *, lr: float = 3e-3) -> None:
-    """A short supervised start: teacher-forced cross-entropy on ``answer + eos`` after each prompt."""
-    if steps <= 0:
-        return
-    rows = [(tok(p["prompt"], add_special_tokens=False)["input_ids"],
-             tok(str(p["answer"]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) for p in prompts]  # fmt: skip
-    width = max(len(a) + len(b) for a, b in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id)
-    labels = torch.full((len(rows), width), -100)
-    attention = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, (prompt, answer) in enumerate(rows):  # left-pad, so every answer ends at the last column
-        seq = prompt + answer
-        ids[i, width - len(seq) :] = torch.tensor(seq)
-        labels[i, width - len(answer) :] = torch.tensor(answer)
-        attention[i, width - len(seq) :] = 1
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    optim = torch.optim.Adam(model.parameters(), lr=lr)
-    model.train()
-    for _ in range(steps):
-        out = model(input_ids=ids, attention_mask=attention, position_ids=positions, labels=labels)
-        optim.zero_grad()
-        out.loss.backward()
-        optim.step()
-    model.eval()
+    """A short supervised start: teacher-forced cross-entropy on ``answer + eos`` after each prompt
+    (:func:`tokengym.warm_start.supervised_warm_start`)."""
+    supervised_warm_start(model, tok, prompts, steps, lr=lr)
 
 
 @torch.no_grad()
@@ -130,14 +137,27 @@ def accuracy(model, tok, problems: list[dict], max_new_tokens: int) -> float:
     return float(arithmetic_reward()(texts, prompts, problems).mean())
 
 
-def build(config: DemoConfig, train_problems: list[dict], *, show_bar: bool = False):
-    """Model, tokenizer, collector, loss and optimizer of the demo."""
+def warm_started(config: DemoConfig, train_problems: list[dict]):
+    """The demo's model (seeded by ``config.seed``) after its warm start on ``train_problems``, and its tokenizer."""
     torch.manual_seed(config.seed)
     tok = tiny_tokenizer()
     model = tiny_model(tok, seed=config.seed)
     warm_start(model, tok, train_problems, config.warm_start_steps)
+    return model, tok
+
+
+def build(config: DemoConfig, train_problems: list[dict], *, show_bar: bool = False):
+    """Model (after the warm start), tokenizer, collector, loss and optimizer of the demo."""
+    model, tok = warm_started(config, train_problems)
+    return model, tok, *rl_parts(config, model, tok, train_problems, show_bar=show_bar)
+
+
+def rl_parts(config: DemoConfig, model, tok, train_problems: list[dict], *, reward=None, show_bar: bool = False):
+    """Collector (KL to ``model`` as it is now), loss and optimizer of the RL phase; ``reward`` replaces the task's
+    exact-match reward (e.g. the control's random reward)."""
     ref = copy.deepcopy(model).eval()
-    env = TokenEnv(train_problems, tok, arithmetic_reward(), batch_size=config.trajectories, max_new_tokens=config.max_new_tokens,
+    reward = reward or arithmetic_reward()
+    env = TokenEnv(train_problems, tok, reward, batch_size=config.trajectories, max_new_tokens=config.max_new_tokens,
                    group_size=config.group_size, model_config=model.config, max_length=64, shuffle=True,
                    seed=config.seed)  # fmt: skip
     policy = TransformersPolicy(model, env, sampling=SamplingConfig(temperature=1.0), seed=config.seed)
@@ -148,7 +168,7 @@ def build(config: DemoConfig, train_problems: list[dict], *, show_bar: bool = Fa
     actor = SequenceActor(model, pad_token_id=tok.pad_token_id)
     loss = ClipPPOLoss(actor, critic_network=None, entropy_bonus=False, functional=False, clip_epsilon=0.2)
     optim = torch.optim.Adam(model.parameters(), lr=config.lr)
-    return model, tok, collector, loss, optim
+    return collector, loss, optim
 
 
 def _env_on_worker(config: DemoConfig, problems: list[dict]) -> TokenEnv:
@@ -191,7 +211,7 @@ _HEADER = f"{'iter':>4} {'reward':>7} {'kl':>7} {'beta':>7} {'tok/s':>7} {'loss'
 
 
 def train(config: DemoConfig, *, log=None) -> tuple[list[dict], list[dict]]:
-    """Run the demo; returns one row of metrics per iteration and one row per evaluation.
+    """Run the demo for ``config.seed``; returns one row of metrics per iteration and one row per evaluation.
 
     ``log`` prints the table; by default ``print`` when stdout is not a terminal (a log file stays
     line by line, with no progress bar), else ``tqdm.write`` above a bar on stderr.
@@ -204,8 +224,18 @@ def train(config: DemoConfig, *, log=None) -> tuple[list[dict], list[dict]]:
             log = tqdm.write
         else:
             log = _print_flush
-    train_problems, held_out = split_problems(config)
-    model, tok, collector, loss, optim = build(config, train_problems, show_bar=is_tty)
+    problems = split_problems(config)
+    model, tok = warm_started(config, problems[0])
+    return rl(config, model, tok, problems, log=log, show_bar=is_tty)
+
+
+def rl(config: DemoConfig, model, tok, problems: tuple[list[dict], list[dict]], *, reward=None, log=_print_flush,
+       show_bar: bool = False) -> tuple[list[dict], list[dict]]:
+    """The RL phase from ``model`` as it is, on ``problems`` = (training, held-out); ``reward`` replaces the reward
+    it trains on (the control's random one), evaluation always scores the exact answer. Returns the metrics of each
+    iteration and the evaluations, the first one (``iter`` -1) before RL."""
+    train_problems, held_out = problems
+    collector, loss, optim = rl_parts(config, model, tok, train_problems, reward=reward, show_bar=show_bar)
     is_scaled = bool(config.workers or config.async_)
     if is_scaled:
         collector = scale_out(config, model, collector, train_problems)
@@ -234,6 +264,55 @@ def train(config: DemoConfig, *, log=None) -> tuple[list[dict], list[dict]]:
     return rows, evals
 
 
+def seed_table(config: DemoConfig, *, log=_print_flush) -> list[dict]:
+    """Each seed from its warm start twice: RL with the task's reward and with a random 0/1 reward (the control);
+    one row each: the evaluation after the warm start, after RL and after the control's RL."""
+    rows = []
+    for seed in range(config.seed, config.seed + config.seeds):
+        cfg = dataclasses.replace(config, seed=seed, seeds=1)
+        problems = split_problems(cfg)
+        model, tok = warm_started(cfg, problems[0])
+        control = copy.deepcopy(model)
+        _, evals = rl(cfg, model, tok, problems, log=lambda _line: None)
+        _, control_evals = rl(cfg, control, tok, problems, reward=RandomReward(seed), log=lambda _line: None)
+        rows.append({"seed": seed, "warm": evals[0], "grpo": evals[-1], "control": control_evals[-1]})
+        log(f"seed {seed}: held-out {_count(evals[0], cfg)} after the warm start, {_count(evals[-1], cfg)} after RL, "
+            f"{_count(control_evals[-1], cfg)} after the random-reward control (of {cfg.held_out})")  # fmt: skip
+    return rows
+
+
+MIN_GAIN = 2
+"""Held-out problems RL must gain over the warm start (on at least 4 of 5 seeds) for ``--seeds`` to call it learning."""
+
+
+def _count(e: dict, config: DemoConfig) -> int:
+    """Held-out problems answered right in evaluation ``e``."""
+    return round(e["held_out"] * config.held_out)
+
+
+def format_table(rows: list[dict], config: DemoConfig) -> list[str]:
+    """The seed table as printed (greedy accuracy, training fraction / held-out problems right) and its verdict."""
+    n = config.held_out
+    lines = [f"greedy accuracy: training (fraction of {(config.max_operand + 1) ** 2 - n}) / held-out (problems right "
+             f"of {n}, never trained on); {config.iterations} RL iterations from the same warm start per seed",
+             "| seed | after the warm start | after RL | RL's held-out gain | random-reward control | RL - control |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    gains, leads = [], []
+    for r in rows:
+        warm, grpo, control = (_count(r[k], config) for k in ("warm", "grpo", "control"))
+        gains.append(grpo - warm)
+        leads.append(grpo - control)
+        lines.append(f"| {r['seed']} | {r['warm']['train']:.3f} / {warm} | {r['grpo']['train']:.3f} / {grpo} | "
+                     f"{grpo - warm:+d} | {r['control']['train']:.3f} / {control} | {grpo - control:+d} |")  # fmt: skip
+    need = math.ceil(0.8 * len(rows))
+    gained, ahead = sum(g >= MIN_GAIN for g in gains), sum(lead > 0 for lead in leads)
+    met = gained >= need and ahead >= need
+    lines.append(f"verdict: RL gains >= {MIN_GAIN} held-out problems over the warm start on {gained} of {len(rows)} "
+                 f"seeds and ends above the random-reward control on {ahead} of {len(rows)} (bar: {need} of "
+                 f"{len(rows)} each): {'learning that carries over' if met else 'NOT shown'}")  # fmt: skip
+    return lines
+
+
 def plot(rows: list[dict], evals: list[dict], path: str, *, held_out: int) -> str:
     """Save the training reward and the greedy accuracy curves to ``path`` (PNG) and return it."""
     import matplotlib
@@ -258,29 +337,43 @@ def plot(rows: list[dict], evals: list[dict], path: str, *, held_out: int) -> st
 
 
 def summary(rows: list[dict], evals: list[dict], config: DemoConfig, seconds: float) -> list[str]:
-    """The closing lines: mean training reward first -> last iterations, greedy accuracy start -> end."""
+    """The closing lines: mean training reward first -> last iterations, greedy accuracy start -> end, the
+    held-out line of the curve and the held-out problems answered right before and after RL."""
     k = max(1, min(10, len(rows) // 5))
     first = sum(r["reward"] for r in rows[:k]) / k
     last = sum(r["reward"] for r in rows[-k:]) / k
     n_train = (config.max_operand + 1) ** 2 - config.held_out
     start, end = evals[0], evals[-1]
+    curve = " ".join(f"{e['held_out']:.3f}" for e in evals)
+    before, after = _count(start, config), _count(end, config)
     return [
         f"mean reward (training prompts, sampled): first {k} iterations {first:.3f} -> last {k} iterations {last:.3f}",
         f"greedy accuracy: training prompts ({n_train}) {start['train']:.3f} -> {end['train']:.3f}, "
         f"held-out prompts ({config.held_out}) {start['held_out']:.3f} -> {end['held_out']:.3f} "
         f"({len(rows)} iterations, {seconds:.0f} s)",
+        f"held-out greedy accuracy, after the warm start, every {config.eval_every} iterations and after the last: {curve}",
+        f"held-out problems answered right (never trained on): {before} of {config.held_out} after the warm start -> "
+        f"{after} of {config.held_out} after RL ({after - before:+d})",
     ]
 
 
-def main(config: DemoConfig | None = None) -> tuple[list[dict], list[dict]]:
-    """Train, print the table and the before/after numbers, save the curves."""
+def main(config: DemoConfig | None = None):
+    """Train, print the table, the before/after numbers and the wall time, save the curves (or, with ``seeds`` > 1,
+    print the seed table and its verdict); returns (rows, evaluations), or the seed table's rows."""
     config = config or DemoConfig()
     torch.set_num_threads(1)
     start = time.perf_counter()
+    if config.seeds > 1:
+        table = seed_table(config)
+        for line in format_table(table, config):
+            print(line, flush=True)
+        print(f"wall time: {time.perf_counter() - start:.0f} s", flush=True)
+        return table
     rows, evals = train(config)
     os.makedirs(config.out_dir, exist_ok=True)
     path = plot(rows, evals, os.path.join(config.out_dir, "reward_curve.png"), held_out=config.held_out)
     for line in summary(rows, evals, config, time.perf_counter() - start):
         print(line, flush=True)
     print(f"reward curve: {os.path.abspath(path)}", flush=True)
+    print(f"wall time: {time.perf_counter() - start:.1f} s (after imports)", flush=True)
     return rows, evals

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import platform
-import random
 import statistics
 import time
 
@@ -27,14 +26,14 @@ import torch
 from torchrl.objectives import ClipPPOLoss
 
 from tokengym import training
-from tokengym._demo import warm_start
 from tokengym.collectors import CollectorOptions, DynamicSampling, TokenCollector
 from tokengym.collectors.policies import SamplingConfig, SharedPrefixActor, TransformersPolicy
 from tokengym.evaluation import Evaluation, evaluate
 from tokengym.llm_envs import PromptSource, TokenEnv
-from tokengym.llm_envs.adapters.reasoning_gym import (
+from tokengym.llm_envs.adapters import (
     ReasoningGymReward,
     ReasoningGymSpec,
+    held_out_split,
     reasoning_gym_prompts,
 )
 from tokengym.testing import tiny_model, tiny_tokenizer
@@ -46,6 +45,7 @@ from tokengym.transforms import (
     WeightedLoss,
     to_padded,
 )
+from tokengym.warm_start import supervised_warm_start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,13 +127,9 @@ TASKS = {
 def split_problems(config: RecipeConfig) -> tuple[ReasoningGymSpec, list[dict], list[dict]]:
     """The spec and its distinct problems, shuffled by ``seed``: (spec, training problems, held-out problems)."""
     spec = ReasoningGymSpec.parse(config.task, config=TASKS[config.task], size=2000, seed=config.seed)
-    distinct: dict[str, dict] = {}
-    for item in reasoning_gym_prompts(spec, system_prompt=None, use_chat=False):
-        distinct.setdefault(item["prompt"], item)
-    questions = sorted(distinct)
-    random.Random(config.seed).shuffle(questions)
-    n_held = max(1, round(len(questions) * config.held_out_fraction))
-    return spec, [distinct[q] for q in questions[n_held:]], [distinct[q] for q in questions[:n_held]]
+    items = reasoning_gym_prompts(spec, system_prompt=None, use_chat=False)
+    train_problems, held_out = held_out_split(items, held_out=config.held_out_fraction, seed=config.seed)
+    return spec, train_problems, held_out
 
 
 def greedy_accuracy(model, tok, reward, problems: list[dict], max_new_tokens: int) -> float:
@@ -199,7 +195,7 @@ def warm_started(config: RecipeConfig, *, log=print):
     log(f"random init: greedy accuracy training {evals[0]['train']:.3f}, held-out {evals[0]['held_out']:.3f}")
     targets = [{"prompt": p["prompt"], "answer": f"<answer>{p['answer']}</answer>"} for p in train_problems]
     targets = targets[: max(1, round(len(targets) * config.warm_start_fraction))]
-    warm_start(model, tok, targets, config.warm_start_steps)  # the training problems only
+    supervised_warm_start(model, tok, targets, config.warm_start_steps)  # the training problems only
     evals.append(_evaluate(config, model, tok, reward, train_problems, held_out, "warm start"))
     log(f"after the warm start: greedy accuracy training {evals[1]['train']:.3f}, held-out {evals[1]['held_out']:.3f}")
     return (train_problems, held_out), tok, reward, model, evals

@@ -16,6 +16,9 @@ tokenizer with ``save_pretrained`` into one directory for vLLM::
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
 from tensordict import TensorDict
 
@@ -36,6 +39,7 @@ __all__ = [
     "FAMILIES",
     "SIZES",
     "TOOL_CHAT_TEMPLATE",
+    "PublishAfter",
     "make_trajectory_batch",
     "tiny_model",
     "tiny_reward_model",
@@ -139,3 +143,41 @@ def to_steps_layout(batch: TensorDict, rows: int) -> TensorDict:
     out.set(keys.MASK, filled)
     out.set_non_tensor(keys.PROMPTS, batch.get_non_tensor(keys.PROMPTS))
     return out
+
+
+class PublishAfter(threading.Event):
+    """A wave policy's ``interrupt`` event that publishes weights at its ``k``-th check: a trainer whose update lands
+    after a known number of decode steps of a wave (partial rollouts), not on a timer.
+
+    ``TransformersPolicy`` checks its ``interrupt`` once when a wave starts and once per decode step; at the ``k``-th
+    check ``publish()`` runs in a new thread (as a trainer thread would publish) and is waited for, so the collector
+    queues the update and sets this event, and the wave stops after that step.
+
+    Example:
+        >>> import copy
+        >>> from tokengym.collectors import TokenCollector
+        >>> from tokengym.collectors.policies import TransformersPolicy
+        >>> from tokengym.llm_envs import TokenEnv
+        >>> tok = tiny_tokenizer(); model = tiny_model(tok)
+        >>> env = TokenEnv(["1+1=", "2+3="], tok, batch_size=2, max_new_tokens=12, model_config=model.config)
+        >>> policy = TransformersPolicy(copy.deepcopy(model), env)
+        >>> policy.interrupt = PublishAfter(4, lambda: collector.update_policy_weights_(model.state_dict()))
+        >>> collector = TokenCollector(env, policy, mode="trajectories", batch_size=2, source="wave")
+        >>> batch = next(iter(collector))
+        >>> collector.metrics["interrupted_sequences"] > 0, policy.version
+        (True, 1)
+    """
+
+    def __init__(self, k: int, publish: Callable[[], object]) -> None:
+        super().__init__()
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an int >= 1 (the check at which weights are published), got {k!r}")
+        self.k, self.publish, self.checks = k, publish, 0
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        if self.checks == self.k:
+            trainer = threading.Thread(target=self.publish, name="tokengym-test-trainer")
+            trainer.start()
+            trainer.join()
+        return super().is_set()

@@ -1,4 +1,5 @@
-"""One RL training loop: collect a batch, a few optimizer epochs of a TorchRL loss, publish the weights, log a row."""
+"""One RL training loop: collect a batch, a few optimizer epochs of a TorchRL loss, publish the weights, log a row;
+and the check of a batch against a loss (:func:`check_loss_inputs`) that it runs on its first batch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Callable, Mapping
 import torch
 from tensordict import TensorDictBase
 
-__all__ = ["TrainOptions", "train"]
+from tokengym._loss_checks import check_loss_inputs
+
+__all__ = ["TrainOptions", "check_loss_inputs", "train"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +63,9 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
 
     Raises:
         ValueError, TypeError: a bad argument, before the first batch; without ``weights``, a policy whose model holds
-            none of the optimizer's parameters (its weights would never change). KeyError: a loss without ``loss_*``
-            terms.
+            none of the optimizer's parameters (its weights would never change); on the first prepared batch, before
+            the first loss call, what :func:`check_loss_inputs` refuses (a layout the loss's actor does not score, no
+            advantage). KeyError: a loss without ``loss_*`` terms.
 
     Example:
         >>> from torchrl.objectives import ClipPPOLoss
@@ -94,6 +98,8 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         data = batch if prepare is None else prepare(batch)
         if device is not None:
             data = data.to(device)  # one copy of the prepared batch (its non-tensor prompt table travels as it is)
+        if i == 0:  # the layout, actor and advantage the loss reads, named before TorchRL's own errors
+            check_loss_inputs(data, loss)
         loss.train()
         for _ in range(options.epochs):
             out = loss(data)

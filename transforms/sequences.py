@@ -153,7 +153,8 @@ def _tails(batch, table, mask, multi, lengths, pad_id, owner) -> tuple[list[torc
     offsets = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape).clone()  # (N, T)
     if bool(multi.any()):
         seq_len = require(batch, keys.SEQ_LEN, owner)
-        offsets = torch.where(multi[:, None], seq_len - seq_len[:, :1], offsets)
+        # positions after the prompt (a player that waited before its first turn has its first observation there)
+        offsets = torch.where(multi[:, None], seq_len - lengths[:, None].to(seq_len.device), offsets)
     traj = batch.get(keys.TRAJ_ID)[:, 0].tolist()
     tails = []
     for i, is_multi in enumerate(multi.tolist()):

@@ -11,6 +11,7 @@ in ``tokengym.collectors``.
 """
 
 from tokengym.collectors.policies._server_options import RequestRejected
+from tokengym.collectors.policies._wave_core import WaveCore
 from tokengym.collectors.policies.kv_cache import SlotKVCache
 from tokengym.collectors.policies.lora import AdaptersDisabled, adapter_weights, merged_weights
 from tokengym.collectors.policies.prefix_store import PrefixStore
@@ -51,6 +52,7 @@ __all__ = [
     "TransformersPolicy",
     "VLLMPolicy",
     "VLLMServerPolicy",
+    "WaveCore",
     "WavePolicy",
     "LocalVLLMServer",
     "ServerOptions",

@@ -19,12 +19,8 @@ import torch
 from tokengym.collectors.policies._lora_sync import MERGE_FIX, AdapterSpec, AdapterTransport, lora_rank
 from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies._server_weights import load_call
-from tokengym.collectors.policies._vllm_engine import (
-    checkpoint_shapes,
-    read_checkpoint,
-    tied_outputs,
-    weight_items,
-)
+from tokengym.collectors.policies._vllm_engine import checkpoint_shapes, tied_outputs, weight_items
+from tokengym.collectors.policies._wave_core import update_tensors
 
 __all__ = ["ServerAdapters"]
 
@@ -45,8 +41,8 @@ class ServerAdapters:
 
     Args:
         lora: the PEFT model or its ``peft.LoraConfig``.
-        policy: the ``VLLMServerPolicy`` (its ``fleet``, ``fleet_lock``, ``transport``, ``checkpoint_dir`` and
-            ``options``), checked against its servers already.
+        policy: the ``VLLMServerPolicy`` (its ``fleet``, ``fleet_lock``, ``transport``, ``checkpoint_dir``,
+            ``options`` and ``dialect``), checked against its servers already.
 
     Attributes:
         sync: ``"adapter"`` or ``"merged"``.
@@ -56,6 +52,7 @@ class ServerAdapters:
 
     def __init__(self, lora, policy) -> None:
         self.fleet, self.fleet_lock, self.checkpoint_dir = policy.fleet, policy.fleet_lock, policy.checkpoint_dir
+        self.dialect = policy.dialect
         shapes = None if self.checkpoint_dir is None else checkpoint_shapes(self.checkpoint_dir)
         self.spec = AdapterSpec.of(lora, shapes)
         takes = self.fleet.run(_each(self._takes_adapters(s) for s in self.fleet.servers))
@@ -109,14 +106,11 @@ class ServerAdapters:
         for path, body in transport.load_calls(handle):
             await load_call(self.fleet, server, path, body)
         if self.sync == "merged":  # the exclusive fleet lock is held: no wave runs on the servers
-            await self.fleet.call(server, "POST", "/reset_prefix_cache?reset_running_requests=true")
+            await self.dialect.reset_cache(self.fleet, server)
 
     def weights(self, weights) -> dict[str, torch.Tensor]:
         """What an update sends: the adapter's tensors (servers that take adapters), else the merged full weights."""
-        tensors = self.spec.tensors(weights)
-        if self.sync == "adapter":
-            return tensors
-        return self.spec.merge(read_checkpoint(self.checkpoint_dir), tensors)
+        return update_tensors(weights, spec=self.spec, sync=self.sync, checkpoint_dir=self.checkpoint_dir)
 
     def name_requests(self, payloads: list[dict], handle: str | None) -> None:
         """Make every request name the adapter ``handle`` (the one the servers hold) as its ``model``."""

@@ -106,10 +106,12 @@ class ServerFleet:
     Args:
         urls: base URLs (``http://host:port``), one per server.
         options: a :class:`ServerOptions`.
+        generate_path: where a generation request is POSTed (the dialect's, :mod:`._dialect`).
     """
 
-    def __init__(self, urls: Sequence[str], *, options: ServerOptions | None = None) -> None:
-        self.options = options or ServerOptions()
+    def __init__(self, urls: Sequence[str], *, options: ServerOptions | None = None,
+                 generate_path: str = "/v1/completions") -> None:  # fmt: skip
+        self.options, self.generate_path = options or ServerOptions(), generate_path
         self.servers = [Server(url.rstrip("/")) for url in urls]
         self.sticky: dict[Hashable, Server] = {}
         self.revive: Callable | None = None  # async (server) -> None: make a returning server current
@@ -209,7 +211,7 @@ class ServerFleet:
 
     def counts(self) -> dict[str, int]:
         """``servers_up`` now; failovers (servers marked down), revivals (servers back), weight reloads into a server
-        and requests sent again, since the fleet was made."""
+        and requests sent more than once (each counted once), since the fleet was made."""
         return {"servers_up": len(self.up()), **self.counters}
 
     def failures(self) -> str:
@@ -237,7 +239,7 @@ class ServerFleet:
 
     # -- waves --
     def complete(self, payloads: list[dict], keys: list[Hashable | None]) -> list[dict]:
-        """Send every payload to ``/v1/completions`` and return the answers in order (exactly one each)."""
+        """Send every payload to :attr:`generate_path` and return the answers in order (exactly one each)."""
         return self.run(self._wave(payloads, keys))
 
     async def _wave(self, payloads: list[dict], keys: list) -> list[dict]:
@@ -286,11 +288,11 @@ class ServerFleet:
                 has_revived = True
                 await self.revive_down(force=True)
                 continue
-            if sent:  # its last attempt failed with its server: sent again, unchanged
-                self.counters["retried_requests"] += 1
+            if sent == 1:  # its first attempt failed: a request sent again, unchanged (counted once, however many
+                self.counters["retried_requests"] += 1  # sends it takes: one moved request is one retried request)
             sent += 1
             attempt = asyncio.ensure_future(
-                self._client.post(server.url + "/v1/completions", json=payload, timeout=timeout)
+                self._client.post(server.url + self.generate_path, json=payload, timeout=timeout)
             )
             server.attempts.add(attempt)
             server.outstanding += 1

@@ -47,6 +47,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -61,7 +62,7 @@ from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["FunctionPolicy", "StepPolicy", "TokenPolicy", "WavePolicy", "as_token_policy", "check_fits_env",
            "check_policy", "check_policy_env", "check_policy_sampling", "is_token_policy", "load_policy_state", "policy_state", "probe_ids",
-           "sampling_of", "supports_cache_state", "supports_steps", "supports_waves", "weights_of"]  # fmt: skip
+           "sampling_of", "supports_cache_state", "supports_interrupt", "supports_steps", "supports_waves", "weights_of"]  # fmt: skip
 
 Weights = Mapping[str, torch.Tensor] | TensorDictBase | torch.nn.Module
 
@@ -130,6 +131,12 @@ def supports_steps(policy) -> bool:
 def supports_waves(policy) -> bool:
     """True when ``policy`` generates whole waves (``generate(WaveRequest) -> WaveResult``)."""
     return callable(getattr(policy, "generate", None))
+
+
+def supports_interrupt(policy) -> bool:
+    """True when ``policy`` has an ``interrupt`` event (a ``threading.Event``): set, its wave in progress stops early
+    and returns its unfinished rows (``WaveResult.finished``); see ``CollectorOptions(partial_rollouts=...)``."""
+    return isinstance(getattr(policy, "interrupt", None), threading.Event)
 
 
 def supports_cache_state(policy) -> bool:

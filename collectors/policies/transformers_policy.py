@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    DynamicCache,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from tokengym.collectors.policies._lora_sync import AdapterSpec, check_not_adapter, tensor_bytes
 from tokengym.collectors.policies.kv_cache import SlotKVCache
@@ -105,6 +113,10 @@ class TransformersPolicy(TensorDictModuleBase):
         self.last_update_bytes = 0
         """Bytes of the tensors the last :meth:`update_weights` copied in (0: the model was trained in place)."""
         self.version = 0
+        self.interrupt = threading.Event()
+        """Set (by a collector, when weights are published from another thread): the wave in progress stops after
+        the token it is generating, its rows unfinished (``WaveResult.finished``), and goes on in the next wave
+        under the new weights (partial rollouts). Cleared by the collector when it applies the update."""
         self._version_tensor: torch.Tensor | None = None
         self._version_stamped = -1  # the version _version_tensor holds (no tensor read per step)
         self.generator = seeded_generator(output_device(model), seed)
@@ -178,10 +190,16 @@ class TransformersPolicy(TensorDictModuleBase):
         """One ``model.generate`` call continuing every sequence of ``request`` (left-padded).
 
         Sampling goes through the same :func:`sample_tokens` and generator as stepping, so a wave is
-        token-for-token what stepping would produce from the same state.
+        token-for-token what stepping would produce from the same state. When :attr:`interrupt` is set the wave
+        stops after the token being generated (checked between decode steps, no host synchronization); rows that
+        had not ended are returned unfinished.
         """
         self._check_placement()
         n = len(request)
+        if self.interrupt.is_set():  # an update is waiting: generate nothing, every row goes on after it
+            return WaveResult(actions=torch.zeros(n, 0, dtype=torch.int64), lengths=torch.zeros(n, dtype=torch.int64),
+                              log_probs=torch.zeros(n, 0), version=self.version,
+                              finished=torch.zeros(n, dtype=torch.bool))  # fmt: skip
         lengths = torch.tensor([len(p) for p in request.prompts], dtype=torch.int64)
         width = int(lengths.max())
         prompts = torch.full((n, width), self.env.tokenizer.pad_token_id, dtype=torch.int64)
@@ -197,6 +215,7 @@ class TransformersPolicy(TensorDictModuleBase):
             input_ids=prompts, attention_mask=mask, max_new_tokens=int(request.max_new_tokens.max()),
             do_sample=False, logits_processor=LogitsProcessorList([sampler]), eos_token_id=list(request.eos_token_ids),
             pad_token_id=self.env.tokenizer.pad_token_id, num_beams=1, use_cache=True,
+            stopping_criteria=StoppingCriteriaList(self._stops(request)),
             **({} if shared is None else {"past_key_values": shared}),
         )  # fmt: skip
         actions, logp = torch.stack(sampler.actions, dim=1), torch.stack(sampler.log_probs, dim=1)  # (B, T)
@@ -207,8 +226,19 @@ class TransformersPolicy(TensorDictModuleBase):
         is_eos = torch.isin(actions, torch.tensor(request.eos_token_ids, dtype=torch.int64))
         first_eos = torch.where(is_eos, torch.arange(T), T).min(1).values
         out_len = torch.minimum(torch.minimum(first_eos + 1, torch.full_like(first_eos, T)), request.max_new_tokens)
+        finished = None
+        if T < int(request.max_new_tokens.max()):  # stopped early: every row at an end id, or interrupted
+            finished = (first_eos < T) | (request.max_new_tokens <= T)
+            finished = None if bool(finished.all()) else finished
         return WaveResult(actions=actions, lengths=out_len, log_probs=logp, raw_log_probs=raw,
-                          version=self.version)  # fmt: skip
+                          version=self.version, finished=finished)  # fmt: skip
+
+    def _stops(self, request: WaveRequest) -> list[StoppingCriteria]:
+        """What may stop a wave early: an interrupt (a weight update waits), enough rows finished (long tails)."""
+        stops: list[StoppingCriteria] = [_Interrupted(self.interrupt)]
+        if request.min_finished is not None and request.min_finished < len(request):
+            stops.append(_EnoughFinished(request, self.cache.device))
+        return stops
 
     def _shared_prompts(self, ids: list[torch.Tensor], prompts: torch.Tensor, mask: torch.Tensor) -> DynamicCache | None:
         """A wave's prompt cache with each distinct prompt prefilled once (all but its last token) and its rows
@@ -310,6 +340,32 @@ def _to_host(action: torch.Tensor, logp: torch.Tensor, raw: torch.Tensor | None)
         host.copy_(t, non_blocking=True)
     action = action.cpu()  # the step's one synchronization
     return action, pinned[0], None if raw is None else pinned[1]
+
+
+class _Interrupted(StoppingCriteria):
+    """Stops ``generate`` after the current token once ``event`` is set (a weight update waits)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class _EnoughFinished(StoppingCriteria):
+    """Stops ``generate`` once ``request.min_finished`` rows ended their turn (an end id, or their budget): the
+    other rows come back unfinished and go on in the next wave. Counted on the device (no host synchronization)."""
+
+    def __init__(self, request: WaveRequest, device: torch.device) -> None:
+        self.eos = torch.tensor(request.eos_token_ids, dtype=torch.int64, device=device)
+        self.budget = request.max_new_tokens.to(device)
+        self.k, self.steps, self.finished = int(request.min_finished), 0, None
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.steps += 1
+        ended = torch.isin(input_ids[:, -1], self.eos) | (self.budget <= self.steps)
+        self.finished = ended if self.finished is None else self.finished | ended
+        return (self.finished.sum() >= self.k).expand(input_ids.shape[0])
 
 
 class _SamplingProcessor(LogitsProcessor):

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import os
 
+from tokengym.collectors.policies._dialect import EngineDialect, check_dialect
 from tokengym.collectors.policies._lora_sync import (
     AdapterSpec,
     EngineAdapters,
-    check_not_adapter,
     lora_engine_kwargs,
     tensor_bytes,
 )
+from tokengym.collectors.policies._vllm_dialect import VLLMEngineDialect
 from tokengym.collectors.policies._vllm_engine import (
     checkpoint_shapes,
     import_vllm,
@@ -36,28 +37,21 @@ from tokengym.collectors.policies._vllm_engine import (
     start_engine,
     stop_engine,
     tied_outputs,
-    weight_items,
 )
 from tokengym.collectors.policies._vllm_requests import (
-    check_budgets,
-    check_greedy,
     check_head_size,
     check_logprobs_mode,
-    empty_result,
-    is_unmodified,
     model_dir_config,
-    sampling_fields,
-    wave_result,
 )
-from tokengym.collectors.policies._wave_state import RequestSeeds
-from tokengym.collectors.policies.protocol import check_fits_env, probe_ids, weights_of
+from tokengym.collectors.policies._wave_core import WaveCore, full_items, update_tensors, weight_sync_of
+from tokengym.collectors.policies.protocol import check_fits_env, probe_ids
 from tokengym.collectors.policies.sampling import SamplingConfig
-from tokengym.llm_envs.waves import WaveRequest, WaveResult
+from tokengym.llm_envs.waves import WaveRequest
 
 __all__ = ["VLLMPolicy"]
 
 
-class VLLMPolicy:
+class VLLMPolicy(WaveCore):
     """Generates every live slot's turn of a :class:`~tokengym.llm_envs.TokenEnv` with a vLLM engine.
 
     A :class:`~tokengym.collectors.policies.protocol.WavePolicy` (``TokenCollector(..., source="wave")``):
@@ -103,8 +97,6 @@ class VLLMPolicy:
         >>> policy.close(); shutil.rmtree(path)
     """
 
-    is_wave_only = True
-
     def __init__(
         self,
         model,
@@ -115,13 +107,7 @@ class VLLMPolicy:
         engine_kwargs: dict | None = None,
         lora=None,
     ) -> None:
-        if sampling is not None and not isinstance(sampling, SamplingConfig):
-            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        self.seeds, self.version = RequestSeeds(seed), 0
-        self.env = getattr(env, "base_env", env)
-        self.sampling = sampling or SamplingConfig()
-        check_greedy(self.sampling)
-        self.is_unmodified = is_unmodified(self.sampling)
+        super().__init__(env, sampling, seed)
         self._vllm = import_vllm()
         if isinstance(model, str | os.PathLike):
             check_head_size(model_dir_config(model), f"the model in {os.fspath(model)!r}")  # before a minute of start-up
@@ -143,28 +129,29 @@ class VLLMPolicy:
             self.close()
             raise
         model_config = self.llm.llm_engine.model_config
-        self._can_stop_strings = not model_config.skip_tokenizer_init
+        self.dialect = VLLMEngineDialect(self.llm, self._vllm.SamplingParams)
+        check_dialect(self.dialect, EngineDialect)
+        self.can_stop_strings = not model_config.skip_tokenizer_init
         self._checkpoint = checkpoint_shapes(model_config.model)
         self._tied = tied_outputs(model_config.hf_config)
-        self._base_params = self._sampling_params()
+        self._base = self.dialect.sampling_fields(self.sampling)
         self.last_update_bytes = 0
         """Bytes of the tensors the last :meth:`update_weights` sent to the engine."""
         self.adapter = None if lora is None else AdapterSpec.of(lora, self._checkpoint)
         self.adapters: EngineAdapters | None = None
-        self.adapters = self._adapters()
-        self.weight_sync = "full" if lora is None else "merged" if self.adapters is None else "adapter"
+        takes_adapters = self.llm.llm_engine.vllm_config.lora_config is not None
+        self.weight_sync = weight_sync_of(lora, takes_adapters)
         """What an update sends: ``"full"`` weights, the LoRA ``"adapter"``, or the ``"merged"`` weights."""
+        self.adapters = self._adapters()
 
     def _adapters(self) -> EngineAdapters | None:
         """The engine's adapter versions (version 0 loaded); ``None`` for an engine without LoRA, whose version 0
         is the base with the PEFT model's adapter merged (nothing to load for a zero adapter)."""
-        if self.adapter is None:
-            return None
         try:
-            if self.llm.llm_engine.vllm_config.lora_config is not None:
+            if self.weight_sync == "adapter":
                 return EngineAdapters(self.llm, self.adapter)
-            if not self.adapter.is_initial_zero():
-                self._load(self.adapter.initial)
+            if self.weight_sync == "merged" and not self.adapter.is_initial_zero():
+                self.push_weights(self.adapter.initial, 0)
         except ValueError:
             self.close()
             raise
@@ -183,95 +170,29 @@ class VLLMPolicy:
                        tokenizer_fix=f"save the env's tokenizer into the model directory ({model_config.tokenizer})")  # fmt: skip
 
     # -- generation --
-    def _sampling_params(self):
-        s = self.sampling
-        kwargs = dict(n=1, logprobs=0, flat_logprobs=True, ignore_eos=True, detokenize=False,
-                      skip_special_tokens=False, include_stop_str_in_output=True)  # fmt: skip
-        kwargs.update(sampling_fields(s))
-        if s.banned_token_ids:
-            kwargs["logit_bias"] = {i: -float("inf") for i in s.banned_token_ids}
-        return kwargs
-
-    def generate(self, request: WaveRequest) -> WaveResult:
-        """Continue every prompt of ``request`` until its turn ends (EOS id, stop string or its budget)."""
-        if not isinstance(request, WaveRequest):
-            raise TypeError(f"generate takes a WaveRequest (TokenEnv.wave_request()), got {type(request).__name__}")
-        n = len(request)
+    def check_open(self) -> None:
         if self.llm is None:
             raise RuntimeError("this VLLMPolicy is closed; build a new one")
-        if n == 0:
-            return empty_result(self.is_unmodified, self.version)
-        budgets = self._check_request(request)
-        params = self._request_params(request, budgets)
-        prompts = [{"prompt_token_ids": p.tolist()} for p in request.prompts]
-        adapter = None if self.adapters is None else self.adapters.request
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
-        self.seeds.advance(n)
-        return self._result([o.outputs[0] for o in outputs])
 
-    def _check_request(self, request: WaveRequest) -> list[int]:
-        return check_budgets(request, self.max_model_len)
-
-    def _request_params(self, request: WaveRequest, budgets: list[int]) -> list:
-        base = dict(self._base_params, stop_token_ids=list(request.eos_token_ids))
-        if request.stop_strings and self._can_stop_strings:
-            base.update(stop=list(request.stop_strings), detokenize=True)
-        make = self._vllm.SamplingParams
-        seeds = self.seeds.next(len(budgets), greedy=self.sampling.greedy)
-        return [make(**base, max_tokens=m, seed=seed) for m, seed in zip(budgets, seeds, strict=True)]
-
-    def _result(self, completions) -> WaveResult:
-        log_probs = [None if c.logprobs is None else c.logprobs.logprobs for c in completions]
-        return wave_result([c.token_ids for c in completions], log_probs, is_unmodified=self.is_unmodified,
-                           version=self.version)  # fmt: skip
+    def send_wave(self, request: WaveRequest, rows: list) -> tuple[list, int]:
+        with self.wave_lock:
+            adapter = None if self.adapters is None else self.adapters.request
+            return self.dialect.generate(rows, adapter), self.version
 
     # -- weights --
-    def update_weights(self, weights=None) -> int:
-        """Load the trainer's weights into the running engine, reset its prefix cache, bump the version.
-
-        Args:
-            weights: a ``transformers`` state_dict or a TensorDict of weights (transformers names), all
-                of them; ``None`` reloads the engine's checkpoint directory (after the trainer saved to it).
-                A LoRA policy takes the PEFT model (or its adapter's tensors): a new adapter version, no
-                cache reset (a new adapter name), or the merged weights for an engine without LoRA.
-        """
-        if self.llm is None:
-            raise RuntimeError("this VLLMPolicy is closed; build a new one")
-        self._load(weights)
-        self.version += 1
-        return self.version
-
-    def _load(self, weights) -> None:
-        if self.adapters is not None:
-            tensors = self.adapter.tensors(weights)
+    def push_weights(self, weights, version: int) -> None:
+        model_dir = self.llm.llm_engine.model_config.model
+        if weights is None and self.weight_sync == "full":
+            weights = read_checkpoint(model_dir)
+        tensors = update_tensors(weights, spec=self.adapter, sync=self.weight_sync, checkpoint_dir=model_dir)
+        if self.adapters is not None:  # a new adapter name: no cache reset (vLLM keys its prefix cache by adapter)
             self.adapters.load(tensors)
             self.last_update_bytes = tensor_bytes(tensors)
             return
-        if self.adapter is not None:  # an engine without LoRA: the base checkpoint with the adapter merged
-            tensors = self.adapter.tensors(weights)
-            weights = self.adapter.merge(read_checkpoint(self.llm.llm_engine.model_config.model), tensors)
-        elif weights is None:
-            weights = read_checkpoint(self.llm.llm_engine.model_config.model)
-        check_not_adapter(weights_of(weights), "the VLLMPolicy")
-        items = weight_items(weights, self._checkpoint, self._tied)
+        items = full_items(tensors, shapes=self._checkpoint, tied=self._tied, owner="the VLLMPolicy")
         self.last_update_bytes = tensor_bytes(items)
-        # vLLM's CPU backend repacks linear weights after loading, so model.load_weights fails on a
-        # running engine; the worker's reload path undoes the packing, loads, and packs again
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
-        self.llm.reset_prefix_cache()
-
-    # -- state --
-    def set_seed(self, seed: int) -> None:
-        """Restart the per-request seeds from ``seed``."""
-        self.seeds.reseed(seed)
-
-    def collection_state(self) -> dict:
-        """Seed, request counter and version (the prefix cache is a cache: it is not saved)."""
-        return self.seeds.collection_state(version=self.version)
-
-    def load_collection_state(self, state: dict) -> None:
-        """Restore :meth:`collection_state`."""
-        self.version = self.seeds.load_collection_state(state)
+        self.dialect.reload(items)
+        self.dialect.reset_cache()
 
     def close(self) -> None:
         """Stop the engine if this policy started it (an ``LLM`` passed in stays the caller's).

@@ -193,6 +193,13 @@ class LocalVLLMServer:
         return self._key
 
     @property
+    def pid(self) -> int | None:
+        """The server process's id, also its process group's (the server runs in a session of its own, so
+        ``os.killpg(server.pid, signal.SIGSTOP)`` pauses it with its engine core); ``None`` before :meth:`launch` and
+        after :meth:`stop`."""
+        return None if self.process is None else self.process.pid
+
+    @property
     def command(self) -> list[str]:
         return server_command(self.model_dir, port=self.port, host=self.host, guard=self._key is not None,
                               args=[*self._kv_cache_args(), *self.args])  # fmt: skip
@@ -214,7 +221,7 @@ class LocalVLLMServer:
     def launch(self) -> LocalVLLMServer:
         """Start the process and return at once (:meth:`wait` for it); lets several servers start together."""
         if self.process is not None and self.process.poll() is None:
-            raise RuntimeError(f"the server at {self.url} is already running (pid {self.process.pid})")
+            raise RuntimeError(f"the server at {self.url} is already running (pid {self.pid})")
         env = {**os.environ, **self.env}
         env.pop(KEY_VARIABLE, None)
         if self._key is not None:

@@ -4,12 +4,12 @@ The wave policy of :class:`~tokengym.collectors.policies.vllm_policy.VLLMPolicy`
 instead of an engine in this process: the same per-request seeds, sampling fields, termination (the env's
 EOS ids as ``stop_token_ids`` with ``ignore_eos``, the env's stop strings, budgets clamped here) and
 log-prob semantics (processed log-probs: ``action_log_prob`` is the log-prob under the distribution
-sampled from; ``raw_log_prob`` only where the sampling leaves the model's distribution unmodified). Every
-sampling field is sent, so a server's ``generation_config`` defaults never apply. Banned tokens go as
-``logit_bias`` -100 (vLLM clamps a bias to +-100): a banned token then keeps ``exp(-100)`` of its weight,
-below float32 resolution of every log-prob reported unless its logit beats the others by ~80.
+sampled from; ``raw_log_prob`` only where the sampling leaves the model's distribution unmodified).
 
-Routing, failover and weight sync are described in :mod:`._server_fleet` and :mod:`._server_weights`.
+The wave, its seeds, versions, state and weight path are the core every wave backend shares (:mod:`._wave_core`);
+what is vLLM's own (request and answer fields, endpoints, start-up checks, weight reload, cache reset) is its server
+dialect (:class:`~._vllm_dialect.VLLMServerDialect`). Routing, failover and weight sync are described in
+:mod:`._server_fleet` and :mod:`._server_weights`.
 """
 
 from __future__ import annotations
@@ -17,59 +17,39 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
-import threading
 import time
-import types
 import urllib.parse
 from pathlib import Path
 
+from tokengym.collectors.policies._dialect import ServerDialect, check_dialect
 from tokengym.collectors.policies._lora_servers import ServerAdapters
 from tokengym.collectors.policies._lora_sync import check_not_adapter, tensor_bytes
 from tokengym.collectors.policies._server_options import NoServerError, RequestRejected, ServerOptions
-from tokengym.collectors.policies._server_weights import (
-    DirectoryTransport,
-    FleetLock,
-    WeightTransport,
-    load_call,
-)
-from tokengym.collectors.policies._vllm_engine import checkpoint_shapes, tied_outputs, weight_items
-from tokengym.collectors.policies._vllm_requests import (
-    check_budgets,
-    check_greedy,
-    empty_result,
-    is_unmodified,
-    sampling_fields,
-    wave_result,
-)
-from tokengym.collectors.policies._wave_state import RequestSeeds
+from tokengym.collectors.policies._server_weights import FleetLock, WeightTransport, load_call
+from tokengym.collectors.policies._vllm_dialect import VLLMServerDialect
+from tokengym.collectors.policies._vllm_engine import checkpoint_shapes, tied_outputs
+from tokengym.collectors.policies._wave_core import WaveCore, full_items
 from tokengym.collectors.policies.protocol import probe_ids, weights_of
 from tokengym.collectors.policies.sampling import SamplingConfig
-from tokengym.llm_envs.waves import WaveRequest, WaveResult
+from tokengym.llm_envs.waves import WaveRequest
 
 __all__ = ["NoServerError", "ServerOptions", "VLLMServerPolicy"]
 
-_NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}  # fmt: skip
-_BANNED_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
-_MAX_STOP_STRINGS = 4  # the OpenAI completions API (and vLLM's) refuses more
-
 
 def _http():
-    """httpx and what is built on it (installed with vLLM; imported when a policy is built)."""
+    """httpx and the fleet built on it (installed with vLLM; imported when a policy is built)."""
     try:
         import httpx
 
-        from tokengym.collectors.policies._server_checks import check_fleet, check_server, inspect_server
         from tokengym.collectors.policies._server_fleet import ServerFleet
     except ImportError as err:
         raise ImportError(
             f"VLLMServerPolicy needs httpx: pip install httpx (it comes with vllm) ({err})"
         ) from err
-    checks = types.SimpleNamespace(check_fleet=check_fleet, check_server=check_server, inspect_server=inspect_server)
-    return httpx, ServerFleet, checks
+    return httpx, ServerFleet
 
 
-class VLLMServerPolicy:
+class VLLMServerPolicy(WaveCore):
     """Generates every live slot's turn of a :class:`~tokengym.llm_envs.TokenEnv` on running vLLM servers.
 
     A :class:`~tokengym.collectors.policies.protocol.WavePolicy` (``TokenCollector(..., source="wave")``).
@@ -124,36 +104,34 @@ class VLLMServerPolicy:
             collector.update_policy_weights_(model.state_dict())  # written once, reloaded into every server
     """
 
-    is_wave_only = True
+    dialect = VLLMServerDialect()
+    """What is vLLM's own: request and answer fields, endpoints, start-up checks, weight reload, cache reset, abort
+    (a ``ServerDialect``; see "Writing an engine dialect" in the backends guide)."""
+    budget_where = "the vLLM server"
 
     def __init__(self, urls, env, *, sampling: SamplingConfig | None = None, seed: int = 0,
                  options: ServerOptions | None = None, lora=None) -> None:  # fmt: skip
+        check_dialect(self.dialect, ServerDialect)
         urls = [urls] if isinstance(urls, str) else list(urls)
         bad = [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]
         if not urls or bad:
             raise ValueError(f"urls must be one or more server URLs like 'http://host:8000', got {urls!r}")
         for url in urls:
-            _check_base_url(url)
-        if sampling is not None and not isinstance(sampling, SamplingConfig):
-            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        self.seeds, self.version = RequestSeeds(seed), 0
+            _check_base_url(url, self.dialect.generate_path)
+        super().__init__(env, sampling, seed)
         if options is not None and not isinstance(options, ServerOptions):
             raise TypeError(f"options must be a ServerOptions, got {type(options).__name__}")
-        self.env = getattr(env, "base_env", env)
-        self.sampling, self.options = sampling or SamplingConfig(), options or ServerOptions()
-        check_greedy(self.sampling)
-        self.is_unmodified = is_unmodified(self.sampling)
+        self.options = options or ServerOptions()
         if self.options.transport is not None and not isinstance(self.options.transport, WeightTransport):
             raise TypeError(f"options.transport must implement WeightTransport (publish, load_calls, close), got "
                             f"{type(self.options.transport).__name__}")  # fmt: skip
         self.lock_dir = self.options.weights_dir or tempfile.mkdtemp(prefix="tokengym-fleet-")
         Path(self.lock_dir).mkdir(parents=True, exist_ok=True)
-        self.transport = self.options.transport or DirectoryTransport(self.options.weights_dir)
+        self.transport = self.options.transport or self.dialect.transport(self.options.weights_dir)
         self.fleet_lock = FleetLock(self.lock_dir)
-        self._httpx, fleet_class, self._checks = _http()
-        self.fleet = fleet_class(urls, options=self.options)
+        self._httpx, fleet_class = _http()
+        self.fleet = fleet_class(urls, options=self.options, generate_path=self.dialect.generate_path)
         self.fleet.revive = self._revive
-        self._thread_lock = threading.Lock()  # a wave and a weight update never overlap in this process
         try:
             self._check_servers()
             self.adapters = None if lora is None else ServerAdapters(lora, self)
@@ -167,24 +145,18 @@ class VLLMServerPolicy:
         """What an update sends: ``"full"`` weights, the LoRA ``"adapter"``, or the ``"merged"`` weights."""
         self.last_update_bytes = 0
         """Bytes of the tensors the last :meth:`update_weights` published."""
-        self._base = {**_NEUTRAL, **sampling_fields(self.sampling), "n": 1, "logprobs": 0, "ignore_eos": True,
-                      "skip_special_tokens": False, "include_stop_str_in_output": True, "return_token_ids": True}  # fmt: skip
-        if self.sampling.banned_token_ids:
-            self._base["logit_bias"] = {str(i): _BANNED_BIAS for i in self.sampling.banned_token_ids}
+        self._base = self.dialect.sampling_fields(self.sampling)
 
     def _check_servers(self) -> None:
         async def inspect_all():
             ids = probe_ids(self.env.tokenizer)
-            return await asyncio.gather(
-                *(checks.inspect_server(self.fleet, s, ids) for s in self.fleet.servers)
-            )
+            return await asyncio.gather(*(self.dialect.inspect(self.fleet, s, ids) for s in self.fleet.servers))
 
-        checks = self._checks
         self.answers = self.fleet.run(inspect_all())
         for answer in self.answers:
-            checks.check_server(answer, self.env, is_unmodified=self.is_unmodified, model=self.options.model,
-                                sampling=self.sampling)
-        checks.check_fleet(self.answers)
+            self.dialect.check(answer, self.env, is_unmodified=self.is_unmodified, model=self.options.model,
+                               sampling=self.sampling)  # fmt: skip
+        self.dialect.check_fleet(self.answers)
         for server, answer in zip(self.fleet.servers, self.answers, strict=True):
             server.model, server.max_model_len = answer["model"], answer["max_model_len"]
         self.max_model_len = int(self.answers[0]["max_model_len"] or self.env.max_length)
@@ -200,38 +172,18 @@ class VLLMServerPolicy:
         """The fleet's counters, which a collector adds to its metrics: ``servers_up`` (taking requests now),
         ``server_failovers`` (servers marked down, their requests sent elsewhere), ``server_revivals`` (servers
         back), ``server_reloads`` (weights loaded into one server, updates and revivals) and ``retried_requests``
-        (requests sent again after their server failed)."""
+        (requests sent again after their server failed or dropped the connection, each counted once however many
+        sends it took)."""
         return self.fleet.counts() if self.fleet is not None else dict(self._closed_counts)
 
     # -- generation --
-    def generate(self, request: WaveRequest) -> WaveResult:
-        """Continue every prompt of ``request`` until its turn ends (EOS id, stop string or its budget)."""
-        if not isinstance(request, WaveRequest):
-            raise TypeError(
-                f"generate takes a WaveRequest (TokenEnv.wave_request()), got {type(request).__name__}"
-            )
-        self._check_open()
-        n = len(request)
-        if n == 0:
-            return empty_result(self.is_unmodified, self.version)
-        budgets = check_budgets(request, self.max_model_len, where="the vLLM server")
-        seeds = self.seeds.next(n, greedy=self.sampling.greedy)
-        base = dict(self._base, stop_token_ids=list(request.eos_token_ids))
-        if request.stop_strings and self.can_stop_strings:
-            # the API takes at most 4; any subset is safe: the env cuts every turn at its first stop string
-            base["stop"] = list(request.stop_strings[:_MAX_STOP_STRINGS])
-        payloads = [dict(base, prompt=p.tolist(), max_tokens=m, seed=s)
-                    for p, m, s in zip(request.prompts, budgets, seeds, strict=True)]  # fmt: skip
-        with self._thread_lock, self.fleet_lock.shared() as (fleet_version, handle):
+    def send_wave(self, request: WaveRequest, rows: list) -> tuple[list, int]:
+        with self.wave_lock, self.fleet_lock.shared() as (fleet_version, handle):
             if self.adapters is not None:  # name the adapter the servers hold
-                self.adapters.name_requests(payloads, handle)
-            answers = self.fleet.complete(payloads, self._sticky_keys(request))
-        self.seeds.advance(n)  # only once the wave is complete: a failed wave is sent again with the same seeds
-        choices = [a["choices"][0] for a in answers]
-        log_probs = [(c.get("logprobs") or {}).get("token_logprobs") for c in choices]
+                self.adapters.name_requests(rows, handle)
+            answers = self.fleet.complete(rows, self._sticky_keys(request))
         # stamped with the version the servers hold (a process sharing them may have loaded newer weights)
-        return wave_result([c["token_ids"] for c in choices], log_probs, is_unmodified=self.is_unmodified,
-                           version=max(self.version, fleet_version))  # fmt: skip
+        return answers, max(self.version, fleet_version)
 
     def _sticky_keys(self, request: WaveRequest) -> list:
         """One key per trajectory: (slot, group, sample) of the prompt the slot works on."""
@@ -244,44 +196,19 @@ class VLLMServerPolicy:
             keys.append(None if p is None else (slot, p.group_id, p.sample_id))
         return keys
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.fleet is None:
             raise RuntimeError("this VLLMServerPolicy is closed; build a new one")
 
     # -- weights --
-    def update_weights(self, weights=None) -> int:
-        """Push the trainer's weights into every server (in parallel), reset their prefix caches, bump the version.
-
-        Args:
-            weights: a ``transformers`` state_dict or a TensorDict of weights (transformers names, all of
-                them; a tied output layer missing from it is sent as its embedding); ``None`` reloads the
-                servers' checkpoint directory (after the trainer saved to it).
-
-        Servers that fail to load are marked down (they get the weights when they come back); if none
-        takes them, :class:`NoServerError` is raised and the version is unchanged.
-        """
-        self._check_open()
-        with self._thread_lock:
-            items = None if weights is None and self.adapters is None else self._weight_items(weights)
-            self.last_update_bytes = 0 if items is None else tensor_bytes(items)
-            old = self.version
-            # the new version is visible at once (no wave can start before the reload ends: the lock is held):
-            # a collector computing the version a queued update will give reads it while the reload runs
-            self.version = new = old + 1
-            try:
-                with self.fleet_lock.exclusive() as (fleet_version, _):
-                    if (
-                        fleet_version < new
-                    ):  # else a process sharing these servers loaded this version already
-                        handle = (
-                            self.transport.publish(items, new) if items is not None else self._checkpoint()
-                        )
-                        self.fleet.run(self._load_all(handle, new))
-                        self.fleet_lock.write(new, handle)
-            except BaseException:
-                self.version = old
-                raise
-        return self.version
+    def push_weights(self, weights, version: int) -> None:
+        items = None if weights is None and self.adapters is None else self._weight_items(weights)
+        self.last_update_bytes = 0 if items is None else tensor_bytes(items)
+        with self.fleet_lock.exclusive() as (fleet_version, _):
+            if fleet_version < version:  # else a process sharing these servers loaded this version already
+                handle = self.transport.publish(items, version) if items is not None else self._checkpoint()
+                self.fleet.run(self._load_all(handle, version))
+                self.fleet_lock.write(version, handle)
 
     def _checkpoint(self) -> str:
         if self.checkpoint_dir is None:
@@ -294,8 +221,8 @@ class VLLMServerPolicy:
             weights = self.adapters.weights(weights)
             if self.adapters.transport is not None:
                 return list(weights.items())
-        check_not_adapter(weights_of(weights), "the VLLMServerPolicy")
         if self.checkpoint_dir is None:
+            check_not_adapter(weights_of(weights), "the VLLMServerPolicy")
             raise ValueError(f"the servers' model path {self.answers[0]['root']!r} is not a directory here, so "
                              "the weights' names, shapes and tied layers cannot be checked; pass "
                              "ServerOptions(checkpoint_dir=<a local copy of the served model directory>)")  # fmt: skip
@@ -304,27 +231,12 @@ class VLLMServerPolicy:
 
             self._shapes = checkpoint_shapes(self.checkpoint_dir)
             self._tied = tied_outputs(AutoConfig.from_pretrained(self.checkpoint_dir))
-        return weight_items(weights, self._shapes, self._tied)
+        return full_items(weights, shapes=self._shapes, tied=self._tied, owner="the VLLMServerPolicy")
 
     async def _load_one(self, server, handle: str) -> None:
         for path, body in self.transport.load_calls(handle):
             await load_call(self.fleet, server, path, body)
-        await self._reset_prefix_cache(server)
-
-    async def _reset_prefix_cache(self, server) -> None:
-        """Drop every cached prefix (KV computed under the old weights would be reused otherwise).
-
-        The server refuses while blocks are still held (a request that just finished, one still running
-        for another client): retry for up to a second, then preempt running requests."""
-        for attempt in range(51):
-            query = "?reset_running_requests=true" if attempt == 50 else ""
-            answer = await self.fleet.call(server, "POST", "/reset_prefix_cache" + query)
-            if answer is None or answer.get("success", True):
-                return
-            await asyncio.sleep(0.02)
-        raise OSError(
-            f"{server.url} did not reset its prefix cache after new weights (it answered success=false)"
-        )
+        await self.dialect.reset_cache(self.fleet, server)
 
     async def _load_all(self, handle: str, version: int) -> None:
         async def load(server):
@@ -334,8 +246,7 @@ class VLLMServerPolicy:
             except RequestRejected as err:
                 if err.status_code == 401:  # says itself which key to pass
                     raise
-                raise ValueError(f"{err}; weight reload needs a server started with VLLM_SERVER_DEV_MODE=1 "
-                                 "(it opens /collective_rpc and /reset_prefix_cache)") from err  # fmt: skip
+                raise ValueError(f"{err}; {self.dialect.reload_hint}") from err
             except (self._httpx.HTTPError, OSError) as err:
                 self.fleet.mark_down(server, f"weight reload failed: {type(err).__name__}: {err}"[:300])
                 return
@@ -347,31 +258,18 @@ class VLLMServerPolicy:
                 self.fleet.missed(server, version)
         if not self.fleet.up():
             raise NoServerError(
-                f"no vLLM server took the weights of version {version} ({self.fleet.failures()})"
+                f"no {self.dialect.name} server took the weights of version {version} ({self.fleet.failures()})"
             )
 
     async def _revive(self, server) -> None:
         """A server marked down answers again: give it the current weights before it takes requests."""
-        await self.fleet.call(server, "GET", "/health", timeout=self.options.connect_timeout_s)
+        await self.fleet.call(server, "GET", self.dialect.health_path, timeout=self.options.connect_timeout_s)
         version, handle = self.fleet_lock.read()
         start = time.monotonic()
         if handle is not None:
             await self._load_one(server, handle)
             self.fleet.reloaded(server, version, time.monotonic() - start)
         server.version = version
-
-    # -- state --
-    def set_seed(self, seed: int) -> None:
-        """Restart the per-request seeds from ``seed``."""
-        self.seeds.reseed(seed)
-
-    def collection_state(self) -> dict:
-        """Seed, request counter and version (the servers' prefix caches are caches: not saved)."""
-        return self.seeds.collection_state(version=self.version)
-
-    def load_collection_state(self, state: dict) -> None:
-        """Restore :meth:`collection_state`."""
-        self.version = self.seeds.load_collection_state(state)
 
     def close(self) -> None:
         """Close the HTTP client and remove this policy's own weight files (the servers keep running)."""
@@ -386,10 +284,10 @@ class VLLMServerPolicy:
             shutil.rmtree(self.lock_dir, ignore_errors=True)
 
 
-def _check_base_url(url: str) -> None:
-    """A server's base URL: the policy adds ``/v1/completions`` and the control paths itself."""
+def _check_base_url(url: str, generate_path: str) -> None:
+    """A server's base URL: the policy adds ``generate_path`` (``/v1/completions``) and the control paths itself."""
     path = urllib.parse.urlsplit(url).path.rstrip("/")
     if path.endswith("/v1"):
         base = url.rstrip("/")[: -len("/v1")]
         raise ValueError(f"server URL {url!r} ends with /v1, but VLLMServerPolicy takes the server's base URL (it "
-                         f"adds /v1/completions, /health and its control paths itself); pass {base!r}")  # fmt: skip
+                         f"adds {generate_path}, /health and its control paths itself); pass {base!r}")  # fmt: skip

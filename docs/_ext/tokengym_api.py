@@ -2,8 +2,10 @@
 
 ``.. tokengym-api:: tokengym.transforms`` writes the package's docstring, a summary table and one autodoc entry
 per name of its ``__all__`` (members inherited from tokengym's own base classes included, torch's and TorchRL's
-left out: ``help(GroupAdvantage)`` lists every ``nn.Module`` method, its page does not). A few types that are
-not exported but appear in public signatures (``WaveRequest``...) are documented under their own module path.
+left out: ``help(GroupAdvantage)`` lists every ``nn.Module`` method, its page does not; nor private names, the hooks
+torch and TorchRL call, or a collector core's hooks on each collector: the page's right-hand list holds what a user
+calls). A few types that are not exported but appear in public signatures (``WaveRequest``...) are documented
+under their own module path.
 
 Every reference resolves to where a name is documented: type hints name an object by the module that defines it
 (``tokengym.transforms.group_advantages.GroupAdvantage``) and docstrings often by a short name
@@ -53,7 +55,6 @@ TOP = "tokengym"
 IN_SIGNATURES = {
     "tokengym.llm_envs": ["tokengym.llm_envs.waves.WaveRequest", "tokengym.llm_envs.waves.WaveResult",
                           "tokengym.llm_envs.prompts.OverlongPrompts"],
-    "tokengym.llm_envs.adapters": ["tokengym.llm_envs.adapters.reasoning_gym.ReasoningGymSpec"],
     "tokengym.llm_envs.agents": ["tokengym.llm_envs.agents.runner.AgentRunner", "tokengym.llm_envs.agents.runner.Episode"],
     "tokengym.collectors": ["tokengym.collectors.core.CollectorBase"],
     "tokengym.collectors.policies": ["tokengym.collectors.policies._server_weights.WeightTransport",
@@ -104,6 +105,9 @@ def _entry(target: str) -> list[str]:
         return [f".. autoexception:: {target}", "   :members:", *inheritance]
     if inspect.isclass(obj):
         lines = [f".. autoclass:: {target}", "   :members:", "   :inherited-members:", *inheritance]
+        hidden = internal_members(obj)
+        if hidden:
+            lines.append(f"   :exclude-members: {', '.join(hidden)}")
         if issubclass(obj, enum.Enum):
             lines.append("   :undoc-members:")
         return lines
@@ -202,10 +206,36 @@ def _defined_in(obj: object) -> str:
     return getattr(obj, "__module__", None) or ""
 
 
+# Members a user never calls, left out of a class's entry and so of the page's "On this page" list:
+# hooks torch and TorchRL call on a module, env or transform (a user calls the module: ``transform(batch)``)...
+FRAMEWORK_HOOKS = frozenset({"forward", "extra_repr", "get_extra_state", "set_extra_state", "transform_output_spec",
+                             "step_and_maybe_reset"})  # fmt: skip
+# ...and what a collector core calls on the collectors built on it, documented once, on the core (a user iterates a
+# collector and calls update_policy_weights_, state_dict...).
+CORE_HOOKS = {"tokengym.collectors.core.CollectorBase": frozenset({
+    "collect_batch", "commit_batch", "push_weights", "batch_metrics", "describe", "undelivered",
+    "needs_weights_because"}),
+    "tokengym.collectors.policies._wave_core.WaveCore": frozenset({
+    "check_open", "send_wave", "push_weights", "budget_where"})}  # fmt: skip
+
+
+def internal_members(cls: type) -> list[str]:
+    """The members of ``cls`` its entry leaves out (``:exclude-members:``): framework hooks it has, and a core's
+    hooks where ``cls`` is built on that core (the core's own entry keeps them). Private names are never shown."""
+    hidden = {name for name in FRAMEWORK_HOOKS if hasattr(cls, name)}
+    for core, hooks in CORE_HOOKS.items():
+        base = _lookup(core)
+        if cls is not base and issubclass(cls, base):
+            hidden |= hooks
+    return sorted(hidden)
+
+
 def skip_foreign_members(app, what, name, obj, skip, options):
-    """``autodoc-skip-member``: leave out what a class inherits from torch, TorchRL, str... (not tokengym), and
-    a named tuple's field accessors (the class docstring's ``Attributes:`` describes the fields)."""
+    """``autodoc-skip-member``: leave out private names, what a class inherits from torch, TorchRL, str... (not
+    tokengym), and a named tuple's field accessors (the class docstring's ``Attributes:`` describes the fields)."""
     if (getattr(obj, "__doc__", None) or "").startswith("Alias for field number"):
+        return True
+    if name.startswith("_"):
         return True
     if what in ("class", "exception") and (inspect.isroutine(obj) or isinstance(obj, property)):
         if not _defined_in(obj).startswith("tokengym"):  # "" for a builtin's method: str.encode, tuple.count

@@ -13,6 +13,8 @@ from tokengym.llm_envs.adapters._episodes import EpisodeBackend, EpisodeError, E
 from tokengym.llm_envs.adapters.openenv import OpenEnvBackend, make_openenv_env
 from tokengym.llm_envs.adapters.reasoning_gym import (
     ReasoningGymReward,
+    ReasoningGymSpec,
+    held_out_split,
     make_reasoning_gym_env,
     reasoning_gym_prompts,
 )
@@ -26,8 +28,10 @@ __all__ = [
     "EpisodeError",
     "EpisodeTurns",
     "ReasoningGymReward",
+    "ReasoningGymSpec",
     "TextArenaEnv",
     "TextEnvBackend",
+    "held_out_split",
     "make_openenv_env",
     "make_reasoning_gym_env",
     "make_text_env",

@@ -3,59 +3,49 @@
 A backend runs the episodes: ``start`` opens one and gives its first observation (the prompt),
 ``step`` answers finished turns (several episodes at once) with a :class:`~tokengym.llm_envs.turns.Turn` each
 (reward, the observation as feedback with its role, done), ``end`` releases one. The env's prompt source
-(:class:`EpisodeSource`) starts an episode whenever a slot needs a prompt; the env's turn handler
-(:class:`EpisodeTurns`) steps the episodes of the finished turns and ends the episode a slot held when the
-slot is refilled. An episode whose backend fails ends there with reward 0 and its error is raised at the
-slot's refill as an :class:`EpisodeError` (through the collector's usual ``PromptError`` path: the step is
-recorded, iterating again goes on). Each failure is logged (WARNING, ``tokengym.llm_envs.adapters``) when it
-happens, and its wording says what failed: an episode that could not start, one that failed, or a server that
-went away (a backend's ``ConnectionError``).
+(:class:`EpisodeSource`) numbers the episodes and their reset seeds; the env's turn handler (:class:`EpisodeTurns`)
+is an ordinary :class:`~tokengym.llm_envs.turns.TurnHandler`: it starts an episode when a slot needs one
+(:meth:`~EpisodeTurns.serve`), steps the episodes of the finished turns and ends the episode a slot held when the
+slot is refilled. An episode whose backend fails ends there with reward 0 (``Turn.failed``) and its error is raised
+at the slot's refill as an :class:`EpisodeError` (through the collector's usual ``PromptError`` path: the step is
+recorded, iterating again goes on), counted in ``failed_episodes`` and logged (WARNING, ``tokengym.llm_envs``);
+its wording says what failed: an episode that could not start, one that failed, or a server that went away (a
+backend's ``ConnectionError``).
 """
 
 from __future__ import annotations
 
-import collections
-import logging
+import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
-from tokengym.llm_envs.errors import PromptError
+import torch
+
+from tokengym.llm_envs.errors import EpisodeError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
 from tokengym.llm_envs.token_env import TokenEnv
-from tokengym.llm_envs.turns.protocol import FinishedTurns, Turn, TurnHandler
+from tokengym.llm_envs.turns.protocol import EnvFacts, FinishedTurns, HeldEpisode, Turn, TurnHandler
 
 __all__ = ["EpisodeBackend", "EpisodeError", "EpisodeSource", "EpisodeTokenEnv", "EpisodeTurns"]
 
-EPISODE = "episode"  # prompt-metadata fields: the episode id, its reset seed and where it runs
+EPISODE = "episode"  # prompt-metadata fields: the episode number, its reset seed and where it runs
 SEED = "seed"
 WHERE = "where"
 
-_log = logging.getLogger(__name__)
-
-
-class EpisodeError(PromptError):
-    """An external episode failed (its session, server or env instance); only that episode ended."""
-
-    what = "episode(s) failed and ended with reward 0"
-
-    def __init__(self, message: str, *, what: str | None = None, **kwargs) -> None:
-        super().__init__(message, **kwargs)
-        if what is not None:
-            self.what = what
-
 
 def _episode_error(message: str, cause: Exception, *, is_start: bool) -> EpisodeError:
-    """An :class:`EpisodeError` whose ``what`` says what failed (logged as it happens)."""
+    """An :class:`EpisodeError` whose ``what`` says what failed."""
     if isinstance(cause, ConnectionError):
         what = "episode(s) lost their server: it went away"
     else:
         what = "episode(s) could not start" if is_start else EpisodeError.what
-    _log.warning("%s", message)
-    return EpisodeError(message, what=what)
+    err = EpisodeError(message, what=what)
+    err.__cause__ = cause
+    return err
 
 
 class EpisodeBackend(Protocol):
-    """Runs external episodes for an :class:`EpisodeTokenEnv`."""
+    """Runs external episodes for :func:`EpisodeTokenEnv`."""
 
     def start(self, episode: int, seed: int) -> str:
         """Open episode ``episode`` (reset with ``seed``) and return its first observation as text."""
@@ -79,32 +69,28 @@ class EpisodeBackend(Protocol):
 
 
 class EpisodeSource(PromptSource):
-    """A prompt source whose prompts are the first observations of newly started episodes.
+    """The draws of external episodes: episode ``g`` is reset with seed ``seed * 100_003 + g``.
 
-    Episode ``g`` is reset with seed ``seed * 100_003 + g``; its prompt has ``group_id = index = g``
-    and metadata ``{"episode": g, "seed": ..., "where": ...}``. ``num_episodes=None`` runs forever.
-    Sharding (Ray workers) splits the episode ids ``g % num_shards``.
+    Each draw has ``group_id = index = g`` and metadata ``{"episode": g, "seed": ...}``; its first observation comes
+    from the env's turn handler (:meth:`EpisodeTurns.serve`). ``num_episodes=None`` runs forever. Sharding (Ray
+    workers) splits the episode numbers ``g % num_shards``.
     """
 
-    def __init__(self, backend: EpisodeBackend, tokenizer, *, num_episodes: int | None = None, seed: int = 0,
-                 system_prompt: str | None = None, chat_template_kwargs: dict | None = None) -> None:  # fmt: skip
+    def __init__(self, tokenizer, *, num_episodes: int | None = None, seed: int = 0,
+                 chat_template_kwargs: dict | None = None) -> None:  # fmt: skip
         super().__init__([None], tokenizer, seed=seed, chat_template_kwargs=chat_template_kwargs)
         if num_episodes is not None and (isinstance(num_episodes, bool) or not isinstance(num_episodes, int)
                                          or num_episodes < 1):  # fmt: skip
             raise ValueError(f"num_episodes must be a positive int or None (endless), got {num_episodes!r}")
-        self.backend, self.num_episodes, self.system_prompt = backend, num_episodes, system_prompt
-        self.is_sized = False
-        self.failures: collections.deque[EpisodeError] = collections.deque()
-        self.next_episode = 0
+        self.num_episodes, self.is_sized, self.next_episode = num_episodes, False, 0
+        self.epochs = None if num_episodes is None else 1  # a finite run ends (what evaluate() asks of a source)
 
     def episode_seed(self, episode: int) -> int:
         """The reset seed of ``episode``."""
         return self.seed * 100_003 + episode
 
     def next(self) -> Prompt | None:
-        """The next episode's prompt; first raises the errors of episodes that failed since the last call."""
-        if self.failures:
-            raise self.failures.popleft()
+        """The next episode's draw (``None`` after ``num_episodes``)."""
         while True:
             g = self.next_episode
             if self.num_episodes is not None and g >= self.num_episodes:
@@ -113,23 +99,7 @@ class EpisodeSource(PromptSource):
             self.next_episode += 1
             if g % self.num_shards == self.shard_index:
                 break
-        seed = self.episode_seed(g)
-        try:
-            text = self.backend.start(g, seed)
-        except Exception as err:
-            self.backend.end(g)
-            raise _episode_error(f"episode {g} could not start on {self.backend.where(g)}: {type(err).__name__}: "
-                                 f"{err}; the slot takes the next episode at the next refill", err, is_start=True) from err  # fmt: skip
-        ids, text, meta = self.encode({"prompt": self.as_prompt(text), EPISODE: g, SEED: seed,
-                                       WHERE: self.backend.where(g)}, g)  # fmt: skip
-        return Prompt(ids, text, meta, g, g, 0)
-
-    def as_prompt(self, observation: str):
-        """The prompt item of a first observation: chat messages when the tokenizer has a chat template."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            return f"{self.system_prompt}\n{observation}" if self.system_prompt else observation
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return [*system, {"role": "user", "content": observation}]
+        return Prompt(torch.zeros(1, dtype=torch.int64), "", {EPISODE: g, SEED: self.episode_seed(g)}, g, g, 0)
 
     def shard(self, index: int, num_shards: int) -> EpisodeSource:
         """Keep only the episodes ``g`` with ``g % num_shards == index`` (before the first draw)."""
@@ -140,12 +110,11 @@ class EpisodeSource(PromptSource):
 
     def rewind(self, seed: int) -> None:
         """Start over from the first draw of the ``seed`` order: the next episode is episode 0, reset with the
-        seeds of ``seed``; failures not yet raised are dropped. The episodes still running are the env's: its
-        next refill of a slot ends the episode the slot held (reset the env after a rewind)."""
+        seeds of ``seed``. The episodes still running are the env's: its next refill of a slot ends the episode the
+        slot held (reset the env after a rewind)."""
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"rewind needs an int seed, got {seed!r}")
         self.seed, self.next_episode, self.is_exhausted = seed, 0, False
-        self.failures.clear()
 
     def state_dict(self) -> dict:
         """The episode counter (live sessions cannot be saved: a restored slot's episode ends with an error)."""
@@ -154,24 +123,56 @@ class EpisodeSource(PromptSource):
     def load_state_dict(self, state) -> None:
         """Restore the counter from :meth:`state_dict`."""
         self.next_episode, self.is_exhausted = int(state["next_episode"]), False
-        self.failures.clear()
 
 
 class EpisodeTurns(TurnHandler):
-    """The turn handler of an :class:`EpisodeTokenEnv`: steps each finished turn's episode with the response text.
+    """The turn handler of external episodes: serves each episode's first observation and steps the finished turns'
+    episodes with the response text.
 
-    The backend's :class:`Turn` is the answer (its observation is the next message unless the episode is
-    done). A failed step ends the episode with reward 0 and queues an :class:`EpisodeError`. A slot's
-    episode ends when the slot is refilled or the env closes; a restarted slot's episode is reset again.
+    The backend's :class:`Turn` is the answer (its observation is the next message unless the episode is done).
+    A failed start or step fails that episode alone (:meth:`Turn.failed`). A slot's episode ends when the slot is
+    refilled or the env closes; a restarted slot's episode is reset again.
+
+    Args:
+        backend: runs the episodes.
+        action_fn: maps a turn's response text to the action text (default: the text itself).
+        system_prompt: a system message before each first observation.
     """
 
-    def __init__(self, source: EpisodeSource, *, max_turns: int, action_fn: Callable[[str], str] | None = None) -> None:
+    def __init__(self, backend: EpisodeBackend, *, action_fn: Callable[[str], str] | None = None,
+                 system_prompt: str | None = None) -> None:  # fmt: skip
         if action_fn is not None and not callable(action_fn):
             raise TypeError(f"action_fn must be callable(text) -> action text, got {action_fn!r}")
-        self.source, self.backend, self.max_turns, self.action_fn = source, source.backend, max_turns, action_fn
+        self.backend, self.action_fn, self.system_prompt = backend, action_fn, system_prompt
+        self.broken: dict[int, EpisodeError] = {}  # episodes that could not restart: failed at their next turn
+
+    def bind(self, facts: EnvFacts) -> None:
+        if facts.group_size != 1:
+            raise ValueError(f"group_size must be 1 for external episodes (each slot runs its own episode), got "
+                             f"{facts.group_size!r}; give each episode its own seed instead")  # fmt: skip
+        super().bind(facts)
 
     def describe(self) -> str:
         return self.backend.where()
+
+    def serve(self, draw: Prompt, episode: int):
+        """Start the draw's episode on the backend; its first observation (chat messages under a chat template) and
+        where it runs (metadata ``"where"``)."""
+        g, seed = int(draw.metadata[EPISODE]), int(draw.metadata[SEED])
+        try:
+            text = self.backend.start(g, seed)
+        except Exception as err:
+            self.backend.end(g)
+            raise _episode_error(f"episode {g} could not start on {self.backend.where(g)}: {type(err).__name__}: "
+                                 f"{err}; the slot takes the next episode at the next refill", err, is_start=True) from err  # fmt: skip
+        return {"prompt": self.as_prompt(text), WHERE: self.backend.where(g)}
+
+    def as_prompt(self, observation: str):
+        """The prompt item of a first observation: chat messages when the tokenizer has a chat template."""
+        if getattr(self.facts.tokenizer, "chat_template", None) is None:
+            return f"{self.system_prompt}\n{observation}" if self.system_prompt else observation
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": observation}]
 
     def end_turns(self, turns: FinishedTurns) -> list[Turn]:
         episodes = [int(m[EPISODE]) for m in turns.metadata]
@@ -179,65 +180,67 @@ class EpisodeTurns(TurnHandler):
         answers = self.backend.step(episodes, actions)
         out = []
         for g, turn, final, answer in zip(episodes, turns.turns, turns.is_final, answers, strict=True):
-            if isinstance(answer, Exception):
+            if g in self.broken:
                 self.backend.end(g)
-                self.source.failures.append(_episode_error(
+                out.append(Turn.failed(self.broken.pop(g)))
+            elif isinstance(answer, Exception):
+                self.backend.end(g)
+                out.append(Turn.failed(_episode_error(
                     f"episode {g} failed at turn {turn} on {self.backend.where(g)}: {type(answer).__name__}: "
-                    f"{answer}; it ended there with reward 0, the other episodes go on", answer, is_start=False))  # fmt: skip
-                out.append(Turn(0.0))
-                continue
-            if answer.is_done or final or turn + 1 >= self.max_turns:
+                    f"{answer}; it ended there with reward 0, the other episodes go on", answer, is_start=False)))  # fmt: skip
+            elif answer.is_done or final:
                 self.backend.end(g)
-            out.append(answer)
+                out.append(answer if answer.is_done else dataclasses.replace(answer, done=True))
+            else:
+                out.append(answer)
         return out
 
-    def release(self, prompts: list[Prompt]) -> None:
-        for prompt in prompts:
-            self.backend.end(int(prompt.metadata[EPISODE]))
+    def release(self, held: list[HeldEpisode]) -> None:
+        for h in held:
+            self.backend.end(int(h.prompt.metadata[EPISODE]))
 
-    def refilled(self, held: list[Prompt]) -> None:
-        # an episode whose prompt the env rejected (too long, say) holds no slot: release it
-        kept = {int(p.metadata[EPISODE]) for p in held}
-        for g in set(self.backend.live) - kept:
+    def refilled(self, held: list[HeldEpisode]) -> None:
+        kept = {int(h.prompt.metadata[EPISODE]) for h in held}
+        for g in set(self.backend.live) - kept:  # started, but no slot holds it: release it
             self.backend.end(g)
 
-    def restart(self, prompts: list[Prompt]) -> None:
-        for prompt in prompts:
-            g = int(prompt.metadata[EPISODE])
+    def restart(self, dropped: list[HeldEpisode], restarted: list[HeldEpisode]) -> None:
+        for h in restarted:
+            g = int(h.prompt.metadata[EPISODE])
             self.backend.end(g)
             try:
-                self.backend.start(g, int(prompt.metadata[SEED]))
-            except Exception as err:  # the episode's next turn finds no session and ends with an error
-                self.source.failures.append(_episode_error(f"episode {g} could not restart on {self.backend.where(g)}: "
-                                                           f"{type(err).__name__}: {err}", err, is_start=True))  # fmt: skip
+                self.backend.start(g, int(h.prompt.metadata[SEED]))
+            except Exception as err:  # the episode's next turn fails it
+                self.broken[g] = _episode_error(f"episode {g} could not restart on {self.backend.where(g)}: "
+                                                f"{type(err).__name__}: {err}", err, is_start=True)  # fmt: skip
 
     def close(self) -> None:
         self.backend.end_all()
 
 
-class EpisodeTokenEnv(TokenEnv):
-    """``TokenEnv(EpisodeSource(backend), tokenizer, turns=EpisodeTurns(...))``: one external episode per slot.
+def EpisodeTokenEnv(backend: EpisodeBackend, tokenizer, *, max_turns: int = 4, num_episodes: int | None = None,  # noqa: N802
+                    system_prompt: str | None = None, action_fn: Callable[[str], str] | None = None,
+                    seed: int = 0, **kwargs) -> TokenEnv:  # fmt: skip
+    """``TokenEnv(EpisodeSource(...), tokenizer, turns=EpisodeTurns(backend, ...))``: one external episode per slot.
 
-    See the module docstring.
+    A function returning a :class:`~tokengym.llm_envs.TokenEnv` (a subclass before this release); see the module
+    docstring. The backend is ``env.turns.backend``.
 
     Args:
         backend: runs the episodes.
-        tokenizer: as for :class:`~tokengym.llm_envs.token_env.TokenEnv`.
+        tokenizer: as for :class:`~tokengym.llm_envs.TokenEnv`.
         max_turns: turns per episode (the env ends an episode after it even if the backend goes on).
         num_episodes: episodes to run (``None``: endless).
         system_prompt: a system message before the first observation.
         action_fn: maps a turn's response text to the action text (default: the text itself).
-        **kwargs: the other :class:`TokenEnv` arguments (``group_size`` must be 1: every slot is its own episode).
+        seed: the episodes' reset seeds (``seed * 100_003 + episode``).
+        **kwargs: the other :class:`~tokengym.llm_envs.TokenEnv` arguments (``group_size`` must be 1: every slot
+            is its own episode).
     """
-
-    def __init__(self, backend: EpisodeBackend, tokenizer, *, max_turns: int = 4, num_episodes: int | None = None,
-                 system_prompt: str | None = None, action_fn: Callable[[str], str] | None = None, **kwargs) -> None:  # fmt: skip
-        if kwargs.get("group_size", 1) != 1:
-            raise ValueError(f"group_size must be 1 for external episodes (each slot runs its own episode), "
-                             f"got {kwargs['group_size']!r}; give each episode its own seed instead")  # fmt: skip
-        kwargs.pop("group_size", None)
-        source = EpisodeSource(backend, tokenizer, num_episodes=num_episodes, seed=kwargs.pop("seed", 0),
-                               system_prompt=system_prompt)  # fmt: skip
-        turns = EpisodeTurns(source, max_turns=max_turns, action_fn=action_fn)
-        super().__init__(source, tokenizer, turns=turns, max_turns=max_turns, **kwargs)
-        self.backend = backend
+    source = EpisodeSource(tokenizer, num_episodes=num_episodes, seed=seed)
+    turns = EpisodeTurns(backend, action_fn=action_fn, system_prompt=system_prompt)
+    if kwargs.get("group_size", 1) != 1:
+        raise ValueError(f"group_size must be 1 for external episodes (each slot runs its own episode), got "
+                         f"{kwargs['group_size']!r}; give each episode its own seed instead")  # fmt: skip
+    kwargs.pop("group_size", None)
+    return TokenEnv(source, tokenizer, turns=turns, max_turns=max_turns, **kwargs)

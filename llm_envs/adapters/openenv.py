@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv
+from tokengym.llm_envs.adapters._kwargs import EPISODE_ENV_OPTIONS, EPISODE_HINTS, check_kwargs
 from tokengym.llm_envs.adapters._ws import (
     Session,
     SessionClosed,
@@ -35,6 +36,7 @@ from tokengym.llm_envs.adapters._ws import (
     parse_step,
     session_urls,
 )
+from tokengym.llm_envs.token_env import TokenEnv
 from tokengym.llm_envs.turns.protocol import Turn
 
 __all__ = ["OpenEnvBackend", "make_openenv_env", "render_observation"]
@@ -168,7 +170,7 @@ def _session_limit(err: SessionClosed, held: int) -> str:
 
 
 def make_openenv_env(url: str, tokenizer, *, max_turns: int = 4, action_field: str | None = None,
-                     timeout_s: float = 30.0, **env_kwargs) -> EpisodeTokenEnv:  # fmt: skip
+                     timeout_s: float = 30.0, **env_kwargs) -> TokenEnv:  # fmt: skip
     """A multi-turn token env whose slots are sessions on the OpenEnv server at ``url``.
 
     Args:
@@ -182,8 +184,10 @@ def make_openenv_env(url: str, tokenizer, *, max_turns: int = 4, action_field: s
 
     Raises:
         ValueError: nothing answers at ``url`` (``GET /health``), or another argument is bad.
+        TypeError: an argument the env does not take (named, with the accepted ones), before any connection.
     """
     require_tokenizer("make_openenv_env", tokenizer)
+    check_kwargs(make_openenv_env, env_kwargs, (*EPISODE_ENV_OPTIONS, "render"), EPISODE_HINTS)
     render = env_kwargs.pop("render", None)
     backend = OpenEnvBackend(url, action_field=action_field, timeout_s=timeout_s, render=render)
     return EpisodeTokenEnv(backend, tokenizer, max_turns=max_turns, **env_kwargs)

@@ -3,7 +3,8 @@
 ``pip install 'tokengym[reasoning-gym]'``. Each prompt carries its reasoning-gym entry in the metadata
 (``metadata["entry"]``), so the reward scores a response with ``score_answer(answer, entry)`` of the
 dataset that generated it; the answer is the text of the last ``<answer>...</answer>`` (reasoning-gym's
-own format and extractor), a response without one scores 0.
+own format and extractor), a response without one scores 0. ``split="train"`` / ``split="held_out"`` with
+``split_seed`` give two envs over disjoint problems; ``epochs=1`` a source that ends, for ``evaluate()``.
 
 Example:
     >>> from tokengym.testing import tiny_tokenizer
@@ -19,23 +20,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from tokengym.llm_envs._env_checks import require_tokenizer
+from tokengym.llm_envs.adapters._kwargs import check_kwargs, keyword_options
 from tokengym.llm_envs.adapters._lazy import require
 from tokengym.llm_envs.gym_adapter import GymTokenEnv
+from tokengym.llm_envs.prompts import PromptSource
 from tokengym.llm_envs.reward_errors import RewardErrors
 from tokengym.llm_envs.token_env import TokenEnv
 
-__all__ = ["ReasoningGymReward", "ReasoningGymSpec", "make_reasoning_gym_env", "reasoning_gym_prompts", "gym_env"]
+__all__ = ["ReasoningGymReward", "ReasoningGymSpec", "held_out_split", "make_reasoning_gym_env", "reasoning_gym_prompts",
+           "gym_env"]
 
 _EXTRA = "reasoning-gym"
 ENTRY = "entry"  # prompt-metadata field holding the reasoning-gym entry (question, answer, metadata)
 ANSWER = "answer"
 # a short instruction in reasoning-gym's answer format (its own "default" system prompt is ~90 words)
 SHORT_SYSTEM_PROMPT = "Answer inside <answer></answer>."
+SPLITS = ("train", "held_out")  # the sides of a held-out split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +227,60 @@ class ReasoningGymReward:
         return str(source or "+".join(name for name, _, _ in self.spec.datasets))
 
 
+_PASSED_ON = keyword_options(TokenEnv, exclude={"turns", "seed"})  # the reward is this dataset's; seed is above
+_HINTS = {"num_episodes": "reasoning-gym problems are a list: epochs=1 serves each once, then the source ends",
+          "held_out_fraction": "held_out=0.2 (a float) holds out a fraction"}  # fmt: skip
+
+
+def held_out_split(items: Sequence[Mapping], *, held_out: int | float = 0.2,
+                   seed: int = 0) -> tuple[list[Mapping], list[Mapping]]:  # fmt: skip
+    """(training, held-out) problems: the distinct questions of ``items``, shuffled by ``seed``, the first ``held_out``
+    of them held out.
+
+    A question generated twice counts once (its first item is kept), so no question is on both sides; the split
+    depends only on the set of questions and ``seed``: the same seed always gives the same two disjoint sets.
+
+    Args:
+        items: prompt items of :func:`reasoning_gym_prompts` (each with its reasoning-gym ``entry``).
+        held_out: how many distinct questions are held out (an int), or which fraction of them (a float in (0, 1),
+            rounded, at least 1).
+        seed: seed of the shuffle.
+
+    Raises:
+        ValueError: a split that leaves one side empty.
+
+    Example:
+        >>> items = reasoning_gym_prompts(ReasoningGymSpec.parse("chain_sum", size=20, seed=0), use_chat=False)
+        >>> train, held = held_out_split(items, held_out=5, seed=1)
+        >>> len(held), {p["prompt"] for p in train} & {p["prompt"] for p in held}
+        (5, set())
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"the seed of the split must be an int, got {seed!r}")
+    distinct: dict[str, Mapping] = {}
+    for item in items:
+        distinct.setdefault(item[ENTRY]["question"], item)
+    questions = sorted(distinct)  # the order of the items does not matter, only which questions there are
+    random.Random(seed).shuffle(questions)
+    n_held = _held_out_count(held_out, len(questions))
+    return [distinct[q] for q in questions[n_held:]], [distinct[q] for q in questions[:n_held]]
+
+
+def _held_out_count(held_out, n: int) -> int:
+    if isinstance(held_out, bool) or not isinstance(held_out, int | float):
+        raise TypeError(f"held_out must be an int (problems) or a float in (0, 1) (a fraction), got {held_out!r}")
+    if isinstance(held_out, float):
+        if not 0 < held_out < 1:
+            raise ValueError(f"held_out={held_out!r}: a fraction must be in (0, 1); give an int for a count")
+        count = max(1, round(n * held_out))
+    else:
+        count = held_out
+    if not 1 <= count < n:
+        raise ValueError(f"held_out={held_out!r} holds out {count} of the {n} distinct problems; leave at least one on "
+                         "each side (a larger size= gives more problems)")  # fmt: skip
+    return count
+
+
 def make_reasoning_gym_env(
     dataset="chain_sum",
     *,
@@ -229,9 +289,17 @@ def make_reasoning_gym_env(
     size: int = 500,
     seed: int = 0,
     system_prompt: str | None = SHORT_SYSTEM_PROMPT,
+    epochs: int | None = None,
+    split: str | None = None,
+    held_out: int | float | None = None,
+    split_seed: int | None = None,
     **env_kwargs,
 ) -> TokenEnv:
     """A :class:`TokenEnv` over a reasoning-gym dataset or mix, rewarded by :class:`ReasoningGymReward`.
+
+    A held-out evaluation is two envs over the same data (``dataset``, ``config``, ``size``, ``seed``) and the same
+    ``split_seed``: ``split="train"`` to train on, ``split="held_out", epochs=1`` for
+    :func:`tokengym.evaluation.evaluate`; their problems never overlap (:func:`held_out_split`).
 
     Args:
         dataset: a name, names, ``{name: weight}`` or ``[{"name", "weight", "config"}]`` (see
@@ -241,14 +309,47 @@ def make_reasoning_gym_env(
         size: entries generated.
         seed: seed of the entries (and of the prompt order with ``shuffle=True``).
         system_prompt: instruction before each question (``None``: none).
-        **env_kwargs: the other :class:`TokenEnv` arguments (``batch_size``, ``max_new_tokens``, ...).
+        epochs: passes over the prompts, then the source ends (``1`` for :func:`~tokengym.evaluation.evaluate`);
+            ``None`` repeats forever.
+        split: ``"train"`` or ``"held_out"``: only that side of :func:`held_out_split` of the entries' distinct
+            questions; ``None``: every entry.
+        held_out: with ``split``, the distinct questions held out: a count (int) or a fraction (float; default 0.2).
+        split_seed: with ``split``, the seed of the split (default: ``seed``).
+        **env_kwargs: the other :class:`TokenEnv` arguments (``batch_size``, ``max_new_tokens``, ``group_size``...).
+
+    Raises:
+        TypeError: an argument neither this function nor :class:`TokenEnv` takes (named, with the accepted ones).
+
+    Example:
+        >>> from tokengym.testing import tiny_tokenizer
+        >>> common = dict(tokenizer=tiny_tokenizer(), size=40, held_out=10, split_seed=3)
+        >>> train = make_reasoning_gym_env("chain_sum", split="train", **common)
+        >>> held = make_reasoning_gym_env("chain_sum", split="held_out", epochs=1, group_size=4, **common)
+        >>> len(held.source.prompts), held.source.epochs
+        (10, 1)
     """
     require_tokenizer("make_reasoning_gym_env", tokenizer)
+    check_kwargs(make_reasoning_gym_env, env_kwargs, _PASSED_ON, _HINTS)
     reward = ReasoningGymReward(dataset, config=config, size=size, seed=seed)
     prompts = reasoning_gym_prompts(reward.spec, system_prompt=system_prompt,
                                     use_chat=getattr(tokenizer, "chat_template", None) is not None)  # fmt: skip
+    prompts = _split(prompts, split, held_out, seed if split_seed is None else split_seed, is_seeded=split_seed is not None)
+    source = PromptSource(prompts, tokenizer, group_size=env_kwargs.pop("group_size", 1), seed=seed, epochs=epochs,
+                          shuffle=env_kwargs.pop("shuffle", False), overlong=env_kwargs.pop("overlong_prompts", "error"))  # fmt: skip
     env_kwargs.setdefault("max_length", 512)
-    return TokenEnv(prompts, tokenizer, reward, seed=seed, **env_kwargs)
+    return TokenEnv(source, tokenizer, reward, seed=seed, **env_kwargs)
+
+
+def _split(prompts: list[dict], split: str | None, held_out, split_seed: int, *, is_seeded: bool) -> list[dict]:
+    if split is None:
+        if held_out is not None or is_seeded:
+            raise ValueError("held_out= and split_seed= choose a split: add split='train' (the env you train on) or "
+                             "split='held_out' (the env you evaluate on)")  # fmt: skip
+        return prompts
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS} (or None: every entry), got {split!r}")
+    train, held = held_out_split(prompts, held_out=0.2 if held_out is None else held_out, seed=split_seed)
+    return train if split == "train" else held
 
 
 def gym_env(*, render_mode: str | None = None, **env_kwargs) -> GymTokenEnv:

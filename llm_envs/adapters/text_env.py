@@ -31,6 +31,8 @@ import torch  # noqa: F401  (the example uses it)
 
 from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv
+from tokengym.llm_envs.adapters._kwargs import EPISODE_ENV_OPTIONS, EPISODE_HINTS, check_kwargs
+from tokengym.llm_envs.token_env import TokenEnv
 from tokengym.llm_envs.turns.protocol import Turn
 
 __all__ = ["TextEnvBackend", "make_text_env"]
@@ -114,7 +116,7 @@ class TextEnvBackend:
 
 
 def make_text_env(factory: Callable, tokenizer, *, max_turns: int = 8, render: Callable | None = None,
-                  name: str | None = None, **env_kwargs) -> EpisodeTokenEnv:  # fmt: skip
+                  name: str | None = None, **env_kwargs) -> TokenEnv:  # fmt: skip
     """A multi-turn token env over gym-style text envs, one instance per slot.
 
     Args:
@@ -125,7 +127,12 @@ def make_text_env(factory: Callable, tokenizer, *, max_turns: int = 8, render: C
         name: the env's name in error messages.
         **env_kwargs: :class:`~tokengym.llm_envs.adapters._episodes.EpisodeTokenEnv` arguments
             (``batch_size``, ``max_new_tokens``, ``max_length``, ``num_episodes``, ``system_prompt``, ``seed``...).
+
+    Raises:
+        TypeError: an argument the env does not take (named, with the accepted ones); ``epochs=`` and a held-out
+            ``split=`` among them: episodes are made by their seeds (``num_episodes=N`` ends the source).
     """
     require_tokenizer("make_text_env", tokenizer)
+    check_kwargs(make_text_env, env_kwargs, EPISODE_ENV_OPTIONS, EPISODE_HINTS)
     return EpisodeTokenEnv(TextEnvBackend(factory, render=render, name=name), tokenizer, max_turns=max_turns,
                            **env_kwargs)  # fmt: skip

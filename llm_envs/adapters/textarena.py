@@ -24,9 +24,10 @@ from __future__ import annotations
 import functools
 
 from tokengym.llm_envs._env_checks import require_tokenizer
-from tokengym.llm_envs.adapters._episodes import EpisodeTokenEnv
+from tokengym.llm_envs.adapters._kwargs import EPISODE_ENV_OPTIONS, EPISODE_HINTS, check_kwargs
 from tokengym.llm_envs.adapters._lazy import require
 from tokengym.llm_envs.adapters.text_env import make_text_env
+from tokengym.llm_envs.token_env import TokenEnv
 
 __all__ = ["TextArenaEnv", "make_textarena_env", "textarena_factory"]
 
@@ -81,8 +82,13 @@ def textarena_factory(env_id: str, **make_kwargs) -> functools.partial:
     return functools.partial(TextArenaEnv, env_id, **make_kwargs)
 
 
-def make_textarena_env(env_id: str, tokenizer, *, max_turns: int = 8, **env_kwargs) -> EpisodeTokenEnv:
-    """A multi-turn token env playing TextArena game ``env_id``, one game per slot (see :func:`make_text_env`)."""
+def make_textarena_env(env_id: str, tokenizer, *, max_turns: int = 8, **env_kwargs) -> TokenEnv:
+    """A multi-turn token env playing TextArena game ``env_id``, one game per slot (see :func:`make_text_env`).
+
+    Raises:
+        TypeError: an argument the env does not take (named, with the accepted ones).
+    """
     require_tokenizer("make_textarena_env", tokenizer)
+    check_kwargs(make_textarena_env, env_kwargs, (*EPISODE_ENV_OPTIONS, "render"), EPISODE_HINTS)
     TextArenaEnv(env_id)  # a bad id fails here, not at the first reset
     return make_text_env(textarena_factory(env_id), tokenizer, max_turns=max_turns, name=env_id, **env_kwargs)

@@ -11,11 +11,15 @@ limit cut the turn), ``usage`` and the turn's token ids (``choices[0].token_ids`
 program's return value (or ``reward_fn(messages, task)``); a program that raises or runs past
 ``time_limit`` ends its episode with reward 0 and an :class:`AgentError` raised at the slot's refill
 (through the collector's ``PromptError`` path: nothing else is lost).
+
+The env is a plain :class:`~tokengym.llm_envs.TokenEnv`: its prompt source draws the tasks (order, groups, shards,
+resume) and its turn handler, :class:`AgentTurns`, uses only the turn-handler protocol: it starts a program and
+renders its first call when a slot needs an episode (``serve``), answers calls and fails an episode with
+``Turn.failed``.
 """
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -26,93 +30,123 @@ from tokengym.llm_envs.agents.chat_app import RequestRefused
 from tokengym.llm_envs.agents.messages import assistant_message, chat_reply, first_difference
 from tokengym.llm_envs.agents.runner import AgentRunner, Episode
 from tokengym.llm_envs.agents.tool_calls import ParsedTurn, ToolCallParser, tool_parser
-from tokengym.llm_envs.errors import PromptError
+from tokengym.llm_envs.errors import EpisodeError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
 from tokengym.llm_envs.token_env import TokenEnv
-from tokengym.llm_envs.turns.protocol import FinishedTurns, Turn, TurnHandler
+from tokengym.llm_envs.turns.protocol import EnvFacts, FinishedTurns, HeldEpisode, Turn, TurnHandler
 from tokengym.llm_envs.turns.render import ChatRenderer
 
-__all__ = ["AgentError", "AgentSource", "AgentTurns", "make_agent_env"]
+__all__ = ["AgentError", "AgentTurns", "make_agent_env", "task_prompts"]
 
 EPISODE, TASK_INDEX = "episode", "task_index"  # prompt-metadata fields
 
 
-class AgentError(PromptError):
+class AgentError(EpisodeError):
     """An agent episode failed (the program raised, ran past its time limit, or returned no usable reward);
     only that episode ended, with reward 0."""
 
     what = "agent episode(s) failed and ended with reward 0"
 
 
-class AgentSource(PromptSource):
-    """Prompts from agent programs: each draw of a task starts one episode and waits for its first chat call,
-    whose messages (and tools) rendered by the chat template are the prompt.
+def task_prompts(tasks: Sequence, tokenizer, **options) -> PromptSource:
+    """The prompt source of agent tasks: it draws task indices (``group_size``, ``shuffle``, ``seed``, ``epochs``,
+    sharding and resume as for any :class:`~tokengym.llm_envs.prompts.PromptSource`); :meth:`AgentTurns.serve`
+    makes each draw an episode."""
+    if isinstance(tasks, str | bytes | Mapping) or not isinstance(tasks, Sequence) or not len(tasks):
+        raise TypeError(f"tasks must be a non-empty sequence of task objects (a list), got {type(tasks).__name__}")
+    return PromptSource([{"input_ids": [0], TASK_INDEX: i} for i in range(len(tasks))], tokenizer, **options)
 
-    Tasks are drawn in order (``shuffle``, ``epochs``, ``group_size``, sharding and resume as for any
-    :class:`~tokengym.llm_envs.prompts.PromptSource`); the prompt's metadata holds ``task_index``, ``episode``
-    and, for a mapping task, its fields.
+
+class AgentTurns(TurnHandler):
+    """The turn handler of an agent env: starts a program per episode and renders its first call (:meth:`serve`),
+    answers each finished turn's chat call, then waits for the program's next move (its next call continues the
+    episode, its return ends it with that reward, an error fails it).
+
+    Args:
+        runner: runs the programs.
+        tasks: the task objects (a draw's ``task_index`` picks one).
+        parser: the tool-call parser (``None``: plain text replies).
+        reward_fn: ``reward_fn(messages, task) -> float`` when the program returns ``None``.
+        chat_template_kwargs: extra arguments of ``tokenizer.apply_chat_template`` for the calls.
     """
 
-    def __init__(self, runner: AgentRunner, tasks: Sequence, tokenizer, *, group_size: int = 1,
-                 shuffle: bool = False, seed: int = 0, epochs: int | None = None,
-                 chat_template_kwargs: dict | None = None) -> None:  # fmt: skip
-        if isinstance(tasks, str | bytes | Mapping) or not isinstance(tasks, Sequence) or not len(tasks):
-            raise TypeError(f"tasks must be a non-empty sequence of task objects (a list), got {type(tasks).__name__}")
-        # the base class draws task indices (order, groups, shards, resume); the prompts come from the programs
-        super().__init__([{"input_ids": [0], TASK_INDEX: i} for i in range(len(tasks))], tokenizer,
-                         group_size=group_size, shuffle=shuffle, seed=seed, epochs=epochs,
-                         chat_template_kwargs=chat_template_kwargs)  # fmt: skip
-        self.runner, self.tasks = runner, tasks
-        self.failures: collections.deque[AgentError] = collections.deque()
+    name = "the agent env"
+
+    wants_log_probs = True  # replies carry each token's log-prob when the agent asks (logprobs=True)
+
+    def __init__(self, runner: AgentRunner, tasks: Sequence, *, parser: ToolCallParser | None,
+                 reward_fn: Callable | None, chat_template_kwargs: dict | None = None) -> None:  # fmt: skip
+        self.runner, self.tasks, self.parser, self.reward_fn = runner, tasks, parser, reward_fn
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.renderer: ChatRenderer | None = None
+        self.tallies = {"agent_episodes": 0, "agent_errors": 0, "malformed_tool_calls": 0, "refused_calls": 0}
+        self.continuing: set[int] = set()  # split episodes whose next trajectory is not in a slot yet
+        self.broken: dict[int, AgentError] = {}  # restarted episodes whose program could not start over
         self.group_first: torch.Tensor | None = None  # the first call's ids of the group being drawn
-        self.continuations: collections.deque[Prompt] = collections.deque()  # split episodes' next trajectories
-        self.counts.update(agent_episodes=0, agent_errors=0)
 
-    def episode_id(self, draw: Prompt) -> int:
-        """The episode id of a draw: unique per group and sample."""
-        return draw.group_id * self.group_size + draw.sample_id
+    def bind(self, facts: EnvFacts) -> None:
+        super().bind(facts)
+        self.renderer = ChatRenderer(facts.tokenizer)
 
-    def next(self) -> Prompt | None:
-        """The first call of a newly started episode as a prompt; first raises the errors of failed episodes."""
-        if self.failures:
-            raise self.failures.popleft()
-        if self.continuations:  # a split episode goes on in a new trajectory
-            return self.continuations.popleft()
-        draw = super().next()
-        return None if draw is None else self.first_call(draw)
+    @property
+    def may_split(self) -> bool:
+        """True with ``on_rewrite="split"``: a call that rewrites the history starts a new trajectory."""
+        return self.runner.on_rewrite == "split"
 
-    def first_call(self, draw: Prompt) -> Prompt:
-        """Start the episode of ``draw`` and render its first chat call."""
-        task = self.tasks[draw.index]
-        ep = self.runner.start(self.episode_id(draw), task, draw.index)
-        self.counts["agent_episodes"] += 1
+    @property
+    def temperature(self) -> float | None:
+        """The sampling temperature the env tells its programs (``make_agent_env(..., temperature=)``); a collector
+        refuses a policy sampling at another."""
+        return self.runner.temperature
+
+    def metrics(self) -> dict[str, float]:
+        """Programs started, episodes failed, malformed tool calls (answered as text), calls refused at a limit,
+        history rewrites refused and split."""
+        return {**self.tallies, **self.runner.counts}
+
+    def describe(self) -> str:
+        return f"agent={self.runner.name}, transport={self.runner.transport!r}"
+
+    def error(self, message: str, cause: BaseException | None = None) -> AgentError:
+        """An episode's failure, counted (``agent_errors``)."""
+        self.tallies["agent_errors"] += 1
+        err = AgentError(message)
+        err.__cause__ = cause
+        return err
+
+    # -- episodes start: the first call is the prompt --
+    def serve(self, draw: Prompt, episode: int) -> Prompt:
+        """Start the program on the draw's task as ``episode`` and render its first chat call as the prompt."""
+        task = self.tasks[draw.metadata[TASK_INDEX]]
+        ep = self.runner.start(episode, task, draw.index)
+        self.tallies["agent_episodes"] += 1
         kind, value = ep.next_move()
         if kind != "call":
             self.runner.end(ep.id)
-            self.counts["agent_errors"] += 1
             what = f"returned {value!r:.60}" if kind == "return" else f"raised {type(value).__name__}: {value}"
-            raise AgentError(f"agent {self.runner.name} {what} before its first chat call (episode {ep.id}, task "
-                             f"{draw.index}); the slot takes the next episode") from (value if kind == "error" else None)  # fmt: skip
+            raise self.error(f"agent {self.runner.name} {what} before its first chat call (episode {ep.id}, task "
+                             f"{draw.index}); the slot takes the next episode", value if kind == "error" else None)  # fmt: skip
         tools = value.get("tools")
         ids = self.render(value["messages"], tools)
-        text = self.tokenizer.decode(ids)
-        limit = self.max_prompt_length
-        if limit is not None and len(ids) > limit:
+        limit = self.facts.max_prompt_length
+        if len(ids) > limit:
             ep.answer(RequestRefused(f"the first request renders to {len(ids)} tokens, more than the {limit} a prompt "
                                      "may have", code="context_length_exceeded"))  # fmt: skip
             self.runner.end(ep.id)
-            raise AgentError(f"agent episode {ep.id} (task {draw.index}): its first call renders to {len(ids)} tokens, "
-                             f"more than the env's prompt limit {limit}; raise max_length")  # fmt: skip
+            raise self.error(f"agent episode {ep.id} (task {draw.index}): its first call renders to {len(ids)} "
+                             f"tokens, more than the env's prompt limit {limit}; raise max_length")  # fmt: skip
         self.check_group_prompt(draw, ids, ep)
         ep.messages, ep.tools, ep.wants_log_probs = [dict(m) for m in value["messages"]], tools, bool(value.get("logprobs"))
         meta = {TASK_INDEX: draw.index, EPISODE: ep.id, **(dict(task) if isinstance(task, Mapping) else {})}
+        text = self.facts.tokenizer.decode(ids)
         return Prompt(ids, text, meta, draw.index, draw.group_id, draw.sample_id, list(ep.messages))
 
     def render(self, messages: list, tools) -> torch.Tensor:
         """The ids of a call's whole conversation, as the chat template writes it, with the generation prompt."""
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                                  **self.chat_template_kwargs)  # fmt: skip
-        return torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
+        tok = self.facts.tokenizer
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                       **self.chat_template_kwargs)  # fmt: skip
+        return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
 
     def check_group_prompt(self, draw: Prompt, ids: torch.Tensor, ep: Episode) -> None:
         """The episodes of one group (one task draw) must open with the same first call: a batch's prompt table
@@ -123,67 +157,16 @@ class AgentSource(PromptSource):
             ep.answer(RequestRefused("this episode's first call differs from its group's first episode's",
                                      code="group_prompt_differs"))  # fmt: skip
             self.runner.end(ep.id)
-            self.counts["agent_errors"] += 1
-            raise AgentError(f"agent {self.runner.name}: episode {ep.id} (task {draw.index}, sample {draw.sample_id}) "
-                             f"opened with another first call than sample 0 of its group; the group_size episodes of a "
-                             "task must open with the same messages (make the first call depend on the task only, "
+            raise self.error(f"agent {self.runner.name}: episode {ep.id} (task {draw.index}, sample {draw.sample_id}) "
+                             f"opened with another first call than sample 0 of its group; the group_size episodes of "
+                             "a task must open with the same messages (make the first call depend on the task only, "
                              "e.g. no random system prompt)")  # fmt: skip
 
-    def fail(self, message: str, cause: BaseException | None = None) -> None:
-        """Queue an episode's failure, raised at the next draw (the slot's refill)."""
-        err = AgentError(message)
-        err.__cause__ = cause
-        self.counts["agent_errors"] += 1
-        self.failures.append(err)
-
-
-class AgentTurns(TurnHandler):
-    """The turn handler of an agent env: answers each finished turn's chat call, then waits for the program's
-    next move (its next call continues the episode, its return ends it with that reward).
-
-    Args:
-        source: the env's :class:`AgentSource`.
-        parser: the tool-call parser (``None``: plain text replies).
-        reward_fn: ``reward_fn(messages, task) -> float`` when the program returns ``None``.
-        eos_token_ids: ids that end a turn (left out of the reply's text).
-        max_length: the env's capacity (a call whose messages do not fit is refused, the episode ends).
-    """
-
-    name = "the agent env"
-
-    wants_log_probs = True  # replies carry each token's log-prob when the agent asks (logprobs=True)
-
-    @property
-    def may_split(self) -> bool:
-        """True with ``on_rewrite="split"``: a call that rewrites the history starts a new trajectory."""
-        return self.runner.on_rewrite == "split"
-
-    def __init__(self, source: AgentSource, *, parser: ToolCallParser | None, reward_fn: Callable | None,
-                 eos_token_ids: set[int] = frozenset(), max_length: int | None = None) -> None:  # fmt: skip
-        self.source, self.runner, self.parser, self.reward_fn = source, source.runner, parser, reward_fn
-        self.eos_token_ids, self.max_length = set(eos_token_ids), max_length
-        self.renderer = ChatRenderer(source.tokenizer)
-        self.tallies = {"malformed_tool_calls": 0, "refused_calls": 0}
-        self.continuing: set[int] = set()  # split episodes whose next trajectory is not in a slot yet
-
-    @property
-    def temperature(self) -> float | None:
-        """The sampling temperature the env tells its programs (``make_agent_env(..., temperature=)``); a collector
-        refuses a policy sampling at another."""
-        return self.runner.temperature
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """Malformed tool calls (answered as text), calls refused at a limit, history rewrites refused."""
-        return {**self.tallies, **self.runner.counts}
-
-    def describe(self) -> str:
-        return f"agent={self.runner.name}, transport={self.runner.transport!r}"
-
+    # -- turns --
     def end_turns(self, turns: FinishedTurns) -> list[Turn]:
-        episodes = [self.runner.episodes.get(int(m[EPISODE])) for m in turns.metadata]
+        episodes = [self.runner.episodes.get(e) for e in turns.episodes]
         for i, ep in enumerate(episodes):  # answer every call first: the programs go on together
-            if ep is not None:
+            if ep is not None and turns.episodes[i] not in self.broken:
                 ep.answer(self.reply(turns, i, ep))
         return [self.next_turn(turns, i, ep) for i, ep in enumerate(episodes)]
 
@@ -191,8 +174,9 @@ class AgentTurns(TurnHandler):
         """The chat completion of finished turn ``i``, appended to the episode's conversation."""
         ids = turns.response_ids[i]
         ended = turns.ended[i]
-        body = ids[:-1] if ended and len(ids) and int(ids[-1]) in self.eos_token_ids else ids
-        text = self.source.tokenizer.decode(body, skip_special_tokens=True)
+        body = ids[:-1] if ended and len(ids) and int(ids[-1]) in self.facts.eos_token_ids else ids
+        tok = self.facts.tokenizer
+        text = tok.decode(body, skip_special_tokens=True)
         parsed = self.parser.parse(text) if self.parser is not None else ParsedTurn(text)
         if parsed.malformed is not None:
             self.tallies["malformed_tool_calls"] += 1
@@ -201,50 +185,53 @@ class AgentTurns(TurnHandler):
         ep.messages.append(message)
         history = len(turns.history(i))
         log_probs = turns.log_probs(i) if ep.wants_log_probs else None
-        tokens = None if log_probs is None else self.source.tokenizer.convert_ids_to_tokens(ids.tolist())
+        tokens = None if log_probs is None else tok.convert_ids_to_tokens(ids.tolist())
         return chat_reply(self.runner.model, message, finish, prompt_tokens=history - len(ids), token_ids=ids.tolist(),
                           log_probs=log_probs, tokens=tokens)  # fmt: skip
 
     def next_turn(self, turns: FinishedTurns, i: int, ep: Episode | None) -> Turn:
         """Wait for the program's next move after turn ``i``: a call (the episode goes on), a return or an error."""
+        episode = turns.episodes[i]
+        if episode in self.broken:
+            self.runner.end(episode)
+            return Turn.failed(self.broken.pop(episode))
         if ep is None:
-            self.source.fail(f"agent episode {turns.metadata[i].get(EPISODE)} is not running (ended, or the env was "
-                             f"restored from a checkpoint); {turns.describe(i)} ended with reward 0")  # fmt: skip
-            return Turn(0.0, done=True)
+            return Turn.failed(self.error(f"agent episode {episode} is not running (ended, or the env was restored "
+                                          f"from a checkpoint); {turns.describe(i)} ended with reward 0"))  # fmt: skip
         while True:
             kind, value = ep.next_move()
             if kind == "return":
                 self.runner.end(ep.id)
-                return Turn(self.reward(ep, value, turns.turns[i]), done=True)
+                return self.reward(ep, value)
             if kind == "error":
                 self.runner.end(ep.id)
-                self.source.fail(f"agent {self.runner.name} failed in episode {ep.id} (task {ep.task_index}) after "
-                                 f"turn {turns.turns[i]}: {type(value).__name__}: {value}; that episode ended with "
-                                 "reward 0, the others go on", value)  # fmt: skip
-                return Turn(0.0, done=True)
+                return Turn.failed(self.error(f"agent {self.runner.name} failed in episode {ep.id} (task "
+                                              f"{ep.task_index}) after turn {turns.turns[i]}: {type(value).__name__}: "
+                                              f"{value}; that episode ended with reward 0, the others go on", value))  # fmt: skip
             if self.may_split and first_difference(ep.messages, value["messages"]) is not None:
-                turn = self.split(ep, value, turns.prompts[i])
+                turn = self.split(ep, value)
                 if turn is not None:
                     return turn
                 continue
             new = value["messages"][len(ep.messages) :]
             ids = None if turns.is_final[i] else self.renderer.feedback_ids(turns.response_ids[i], new)
-            if ids is None or (self.max_length is not None and len(turns.history(i)) + len(ids) + 1 > self.max_length):
+            limit = self.facts.max_length
+            if ids is None or len(turns.history(i)) + len(ids) + 1 > limit:
                 self.tallies["refused_calls"] += 1
                 why = ("the episode reached its turn or token limit (max_turns / max_new_tokens / the context)"
-                       if ids is None else f"the conversation would outgrow the context ({self.max_length} tokens)")  # fmt: skip
+                       if ids is None else f"the conversation would outgrow the context ({limit} tokens)")  # fmt: skip
                 ep.answer(RequestRefused(f"{why}: the env ends episode {ep.id} here; return the reward",
                                          code="context_length_exceeded"))  # fmt: skip
                 continue
             ep.messages, ep.wants_log_probs = [dict(m) for m in value["messages"]], bool(value.get("logprobs"))
             return Turn(0.0, feedback=ids)
 
-    def split(self, ep: Episode, request: dict, prompt: Prompt) -> Turn | None:
+    def split(self, ep: Episode, request: dict) -> Turn | None:
         """A call that rewrites the history: this trajectory ends (a part of the episode) and the episode goes on in
         a new one, whose prompt is the call's whole conversation rendered (``None``: it does not fit, refused)."""
-        ids = self.source.render(request["messages"], request.get("tools"))
-        limit = self.source.max_prompt_length
-        if limit is not None and len(ids) > limit:
+        ids = self.render(request["messages"], request.get("tools"))
+        limit = self.facts.max_prompt_length
+        if len(ids) > limit:
             self.tallies["refused_calls"] += 1
             ep.answer(RequestRefused(f"the rewritten conversation renders to {len(ids)} tokens, more than the "
                                      f"{limit} a trajectory's prompt may have", code="context_length_exceeded"))  # fmt: skip
@@ -252,11 +239,10 @@ class AgentTurns(TurnHandler):
         self.runner.counts["history_splits"] += 1
         self.continuing.add(ep.id)
         ep.messages, ep.wants_log_probs = [dict(m) for m in request["messages"]], bool(request.get("logprobs"))
-        self.source.continuations.append(Prompt(ids, self.source.tokenizer.decode(ids), prompt.metadata, prompt.index,
-                                                prompt.group_id, prompt.sample_id, list(ep.messages)))  # fmt: skip
-        return Turn(0.0, new_trajectory=True)
+        return Turn(0.0, feedback=ids, new_trajectory=True)
 
-    def reward(self, ep: Episode, value, turn: int) -> float:
+    def reward(self, ep: Episode, value) -> Turn:
+        """The episode's last turn: the program's return value (or ``reward_fn``'s) as its reward."""
         if value is None and self.reward_fn is not None:
             value = self.reward_fn(list(ep.messages), ep.task)
         try:
@@ -264,35 +250,41 @@ class AgentTurns(TurnHandler):
         except (TypeError, ValueError):
             reward = math.nan
         if not math.isfinite(reward):
-            self.source.fail(f"agent {self.runner.name} returned {value!r:.60} in episode {ep.id} (task "
-                             f"{ep.task_index}); return a finite number (the reward), or pass reward_fn=; that "
-                             "episode ended with reward 0")  # fmt: skip
-            return 0.0
-        return reward
+            return Turn.failed(self.error(f"agent {self.runner.name} returned {value!r:.60} in episode {ep.id} (task "
+                                          f"{ep.task_index}); return a finite number (the reward), or pass "
+                                          "reward_fn=; that episode ended with reward 0"))  # fmt: skip
+        return Turn(reward, done=True)
 
-    def release(self, prompts: list[Prompt]) -> None:
-        for prompt in prompts:
-            if int(prompt.metadata[EPISODE]) not in self.continuing:  # a split episode goes on in a new trajectory
-                self.runner.end(int(prompt.metadata[EPISODE]))
+    # -- lifecycle --
+    def release(self, held: list[HeldEpisode]) -> None:
+        for h in held:
+            if h.episode not in self.continuing:  # a split episode goes on in a new trajectory
+                self.runner.end(h.episode)
 
-    def refilled(self, held: list[Prompt]) -> None:
-        kept = {int(p.metadata[EPISODE]) for p in held}
+    def refilled(self, held: list[HeldEpisode]) -> None:
+        kept = {h.episode for h in held}
         self.continuing -= kept
-        for episode_id in set(self.runner.episodes) - kept - self.continuing:
-            self.runner.end(episode_id)
+        for episode in set(self.runner.episodes) - kept - self.continuing:
+            self.runner.end(episode)
 
-    def restart(self, prompts: list[Prompt]) -> None:
-        for prompt in prompts:  # the program starts over; its first call must be the slot's prompt again
-            draw = Prompt(prompt.ids, prompt.text, {}, prompt.index, prompt.group_id, prompt.sample_id)
+    def restart(self, dropped: list[HeldEpisode], restarted: list[HeldEpisode]) -> None:
+        for h in restarted:  # the program starts over; its first call must be the slot's prompt again
+            p = h.prompt
+            draw = Prompt(p.ids, p.text, {TASK_INDEX: p.metadata[TASK_INDEX]}, p.index, p.group_id, p.sample_id)
             try:
-                again = self.source.first_call(draw)
+                again = self.serve(draw, h.episode)
             except AgentError as err:
-                self.source.failures.append(err)
+                self.broken[h.episode] = err
                 continue
-            if not torch.equal(again.ids, prompt.ids):
-                self.runner.end(int(prompt.metadata[EPISODE]))
-                self.source.fail(f"agent episode {prompt.metadata[EPISODE]} started over with another first call; "
-                                 "it ended (restart needs a program whose first call depends only on its task)")  # fmt: skip
+            if not torch.equal(again.ids, p.ids):
+                self.runner.end(h.episode)
+                self.broken[h.episode] = self.error(f"agent episode {h.episode} started over with another first call; "
+                                                    "it ended (restart needs a program whose first call depends only "
+                                                    "on its task)")  # fmt: skip
+
+    def fork(self, parent: HeldEpisode, child: HeldEpisode) -> None:
+        raise ValueError("an agent program cannot be forked (its conversation runs in user code); fork slots of "
+                         "other envs")
 
     def close(self) -> None:
         self.runner.close()
@@ -351,9 +343,7 @@ def make_agent_env(agent: Callable, tasks: Sequence, tokenizer, *, tool_parser_n
     runner = AgentRunner(agent, transport=transport, time_limit=time_limit, temperature=temperature, on_rewrite=on_rewrite,
                          max_turn_tokens=env_kwargs.get("max_turn_tokens"),
                          stop_strings=tuple(env_kwargs.get("stop_strings", ())))  # fmt: skip
-    source = AgentSource(runner, tasks, tokenizer, group_size=group_size, shuffle=shuffle, seed=seed, epochs=epochs,
-                         chat_template_kwargs=chat_template_kwargs)  # fmt: skip
-    turns = AgentTurns(source, parser=parser, reward_fn=reward_fn)
-    env = TokenEnv(source, tokenizer, turns=turns, max_turns=max_turns, **env_kwargs)
-    turns.eos_token_ids, turns.max_length = set(env.eos_token_ids), env.max_length
-    return env
+    source = task_prompts(tasks, tokenizer, group_size=group_size, shuffle=shuffle, seed=seed, epochs=epochs,
+                          chat_template_kwargs=chat_template_kwargs)  # fmt: skip
+    turns = AgentTurns(runner, tasks, parser=parser, reward_fn=reward_fn, chat_template_kwargs=chat_template_kwargs)
+    return TokenEnv(source, tokenizer, turns=turns, max_turns=max_turns, **env_kwargs)

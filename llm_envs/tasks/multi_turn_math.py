@@ -20,6 +20,7 @@ from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv, Turn
 from tokengym.llm_envs.rewards import extract_answer, normalize_answer
 from tokengym.llm_envs.tasks._common import check_positive_int
 from tokengym.llm_envs.tasks.arithmetic import arithmetic_prompts
+from tokengym.llm_envs.token_env import TokenEnv
 
 __all__ = ["MultiTurnMathFeedback", "make_multi_turn_math_env", "WRONG_FEEDBACK", "TOOL_HINT"]
 
@@ -68,8 +69,8 @@ def make_multi_turn_math_env(
     wrong_reward: float = 0.0,
     python_timeout_s: float = 5.0,
     **env_kwargs,
-) -> MultiTurnTokenEnv:
-    """A :class:`MultiTurnTokenEnv` over arithmetic problems with retry feedback (and optionally tools).
+) -> TokenEnv:
+    """A multi-turn :class:`~tokengym.llm_envs.TokenEnv` (:func:`~tokengym.llm_envs.MultiTurnTokenEnv`) over arithmetic problems with retry feedback (and optionally tools).
 
     Args:
         tokenizer: the tokenizer of the model you train (``tokengym.testing.tiny_tokenizer()`` in tests).
@@ -82,7 +83,7 @@ def make_multi_turn_math_env(
         max_operand: largest operand.
         wrong_reward: reward of a wrong turn.
         python_timeout_s: wall-time limit of the ``python`` tool.
-        **env_kwargs: forwarded to :class:`MultiTurnTokenEnv` (``max_length`` defaults to 512).
+        **env_kwargs: forwarded to :func:`~tokengym.llm_envs.MultiTurnTokenEnv` (``max_length`` defaults to 512).
 
     Example:
         >>> import torch

@@ -15,6 +15,10 @@ from tokengym.llm_envs.turns.protocol import Turn
 
 __all__ = ["ToolTurns"]
 
+# the registry's counters under the names a collector's metrics give them
+_METRIC_NAMES = {"calls": "tool_calls", "errors": "tool_errors", "malformed": "malformed_tool_calls",
+                 "unknown_tool": "unknown_tool_calls"}  # fmt: skip
+
 
 class ToolTurns(FeedbackTurns):
     """A turn handler (and ``turn_fn``) that runs tool calls and delegates other turns to ``answer_turn_fn``.
@@ -34,6 +38,8 @@ class ToolTurns(FeedbackTurns):
         >>> fn = ToolTurns(ToolRegistry.default(), lambda r, p, m, t: [Turn(1.0) for _ in r])
         >>> fn(["<tool>calculator: 6*7</tool>", "42"], ["q", "q"], [{}, {}], [0, 1])
         [Turn(reward=0.0, feedback='42', role='tool', done=None), Turn(reward=1.0, feedback=None, role='user', done=None)]
+        >>> fn.metrics()["tool_calls"]
+        1
     """
 
     def __init__(self, registry: ToolRegistry, answer_turn_fn: TurnFn, *, tool_reward: float = 0.0,
@@ -46,10 +52,11 @@ class ToolTurns(FeedbackTurns):
         self.registry, self.answer_turn_fn, self.tool_reward = registry, answer_turn_fn, float(tool_reward)
         self.special_tokens = None if tokenizer is None else special_token_strings(tokenizer)
 
-    @property
-    def metrics(self) -> dict:
-        """The tool registry's call counts."""
-        return self.registry.metrics
+    def metrics(self) -> dict[str, float]:
+        """The tool registry's counts, named for a collector's metrics: ``tool_calls``, ``tool_errors`` (all the
+        failures below), ``malformed_tool_calls``, ``unknown_tool_calls`` and ``tool_failures`` (a tool that raised,
+        timed out or crashed)."""
+        return {_METRIC_NAMES.get(name, name): n for name, n in self.registry.metrics.items()}
 
     def describe(self) -> str:
         return "tools"

@@ -2,11 +2,21 @@
 
 See :class:`TurnHandler` for the protocol; the handlers here are single-turn scoring
 (:class:`RewardTurns`) and feedback turns (:class:`FeedbackTurns`); tool turns live in
-:mod:`tokengym.llm_envs.tools`, external episodes in :mod:`tokengym.llm_envs.adapters`.
+:mod:`tokengym.llm_envs.tools`, external episodes in :mod:`tokengym.llm_envs.adapters`, agent programs in
+:mod:`tokengym.llm_envs.agents`.
 """
 
 from tokengym.llm_envs.turns.feedback import FeedbackTurns, TurnFn
-from tokengym.llm_envs.turns.protocol import FinishedTurns, Turn, TurnHandler
+from tokengym.llm_envs.turns.protocol import (
+           EnvFacts,
+           FinishedTurns,
+           HeldEpisode,
+           Turn,
+           TurnHandler,
+           Wait,
+           Wake,
+)
 from tokengym.llm_envs.turns.scoring import RewardTurns
 
-__all__ = ["FeedbackTurns", "FinishedTurns", "RewardTurns", "Turn", "TurnFn", "TurnHandler"]
+__all__ = ["EnvFacts", "FeedbackTurns", "FinishedTurns", "HeldEpisode", "RewardTurns", "Turn", "TurnFn", "TurnHandler",
+           "Wait", "Wake"]

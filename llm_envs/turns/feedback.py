@@ -33,10 +33,12 @@ class FeedbackTurns(TurnHandler):
         check_arguments(turn_fn, "turn_fn", ("responses", "prompts", "metadata", "turns"), "one Turn per response")
         self.turn_fn = turn_fn
 
-    @property
-    def metrics(self) -> dict:
-        """The turn function's metrics (a tool registry's call counts, say), if it keeps any."""
-        return dict(getattr(self.turn_fn, "metrics", {}) or {})
+    def metrics(self) -> dict[str, float]:
+        """The turn function's counters, if it keeps any (a ``metrics`` or ``counts`` dict attribute, or a
+        ``metrics()`` method)."""
+        fn = self.turn_fn
+        found = getattr(fn, "metrics", None) or getattr(fn, "counts", None) or {}
+        return dict(found() if callable(found) else found)
 
     def describe(self) -> str:
         return getattr(self.turn_fn, "__name__", type(self.turn_fn).__name__)

@@ -40,8 +40,7 @@ class RewardTurns(TurnHandler):
             check_arguments(self.reward_fn, "reward_fn", ("responses", "prompts", "metadata"), "one float per response",
                             "; a TRL reward function names its parameters: f(prompts, completions, **kwargs)")  # fmt: skip
 
-    @property
-    def counts(self) -> dict:
+    def metrics(self) -> dict[str, float]:
         """The reward function's own counts (e.g. ``reward_errors`` of a verifier), if it keeps any."""
         return dict(getattr(self.reward_fn, "counts", {}))
 

@@ -103,12 +103,13 @@ def test_reprs_show_the_configuration(tokenizer, model):
                          f"eos_token_ids=[{tokenizer.eos_token_id}], stop_strings=[], overlong_prompts='error', "
                          "turns=RewardTurns(MathAnswerReward), max_turns=1)")  # fmt: skip
     multi = make_multi_turn_math_env(tokenizer=tokenizer, batch_size=2, n_prompts=4)
-    assert repr(multi).startswith("MultiTurnTokenEnv(batch_size=2,") and "turns=FeedbackTurns(MultiTurnMathFeedback), max_turns=3)" in repr(multi)
+    assert repr(multi).startswith("TokenEnv(batch_size=2,") and "turns=FeedbackTurns(MultiTurnMathFeedback), max_turns=3)" in repr(multi)
     collector = TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=4, total_steps=20)
     assert repr(collector) == (f"TokenCollector(mode='trajectories', batch_size=4, total_steps=20, source='step', "
                                f"policy=TransformersPolicy(version=0), env={env!r}, steps_done=0)")  # fmt: skip
     async_collector = AsyncCollector(collector, max_staleness=1)
     try:
-        assert repr(async_collector) == f"AsyncCollector(max_staleness=1, version=0, queued=0, collector={collector!r})"
+        assert repr(async_collector) == (f"AsyncCollector(max_staleness=1, stale_tokens=drop, version=0, queued=0, "
+                                          f"collector={collector!r})")
     finally:
         async_collector.shutdown()

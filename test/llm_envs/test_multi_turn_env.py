@@ -68,7 +68,7 @@ def test_scripted_rewards_turns_and_steps(scripted, tokenizer):
               *actions[n0 : n0 + n1].tolist()]  # fmt: skip
     assert full.tolist() == expect
     assert int(batch[keys.SEQ_LEN][0, n0]) == prompt_len + n0 + len(feedback)  # seq_len jumps over the feedback
-    turns = env.turn_metrics["turns"]  # refilled slots may have started more episodes
+    turns = env.turn_metrics["feedback_turns"]  # refilled slots may have started more episodes
     assert turns >= 1 and env.turn_metrics["feedback_tokens"] == turns * len(feedback)
 
 
@@ -107,7 +107,7 @@ def test_check_env_passes(tokenizer):
     env = MultiTurnTokenEnv(["1+1=", "2+2=", "3+3="], tokenizer, fn, max_turns=3, batch_size=3, max_new_tokens=8,
                             max_length=64)  # fmt: skip
     check_env(env, steps=60)
-    assert env.turn_metrics["turns"] > 0
+    assert env.turn_metrics["feedback_turns"] > 0
     check_env(make_multi_turn_math_env(tokenizer=tokenizer, batch_size=2, n_prompts=4, max_new_tokens=8), steps=40)
 
 

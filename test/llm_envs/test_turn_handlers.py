@@ -29,8 +29,8 @@ class GuessGame(TurnHandler):
                 out.append(Turn(0.0, [{"role": "tool", "content": "higher"}, {"role": "user", "content": "again"}]))
         return out
 
-    def release(self, prompts):
-        self.released += [p.index for p in prompts]
+    def release(self, held):
+        self.released += [h.prompt.index for h in held]
 
     def close(self):
         self.closed = True
@@ -90,8 +90,9 @@ def test_done_with_feedback_ends_the_episode_and_max_turns_marks_the_last_turn_f
     assert bool(steps[-1][keys.DONE]) and bool(steps[-1][keys.TERMINATED])
     assert handler.final == [False, False]
     env2 = TokenEnv(["hi"], tok, turns=Stop(), max_turns=1, batch_size=1, max_new_tokens=32, max_length=128)
-    steps = _play(env2, [[40, tok.eos_token_id]])
-    assert bool(steps[-1][keys.DONE]) and env2.turns.final == [True]
+    with pytest.raises(ValueError, match=r"gave feedback 'bye' for slot 0 .* but the env is single-turn \(max_turns=1\)"):
+        _play(env2, [[40, tok.eos_token_id]])  # feedback it cannot write: a handler's bug, not dropped silently
+    assert env2.turns.final == [True]
 
 
 def test_handler_errors_name_the_cause():

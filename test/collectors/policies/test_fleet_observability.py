@@ -96,7 +96,7 @@ def test_a_killed_server_is_logged_counted_and_reloaded_when_it_returns(fleet, m
             both_up.append(time.perf_counter() - start)
         assert collector.metrics["servers_up"] == 2 and collector.metrics["server_failovers"] == 0
 
-        os.killpg(victim.process.pid, signal.SIGKILL)  # a crash: the whole process group, no goodbye
+        os.killpg(victim.pid, signal.SIGKILL)  # a crash: the whole process group, no goodbye
         victim.process.wait(timeout=10)
         start = time.perf_counter()
         batch = next(it)  # its requests fail and go to the other server: the batch completes

@@ -11,7 +11,9 @@ so every test here also shows the policy working with the key.
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -447,7 +449,7 @@ def test_a_hung_server_times_out_and_returns_with_the_current_weights(
     )  # its state_dict has lm_head = embedding: fits both servers
     env.reset()
     request = env.wave_request()
-    pid = fleet.servers[1].process.pid
+    pid = fleet.servers[1].pid
     os.killpg(pid, signal.SIGSTOP)
     try:
         result = policy.generate(request)  # server 1's requests time out and go to server 0
@@ -469,7 +471,8 @@ def test_a_hung_server_times_out_and_returns_with_the_current_weights(
         fleet.restore(1)
 
 
-def test_a_server_killed_mid_wave_loses_nothing(fleet):
+def test_a_server_killed_mid_wave_loses_nothing(fleet, caplog):
+    caplog.set_level(logging.WARNING, logger="tokengym")
     env = fleet.env(batch_size=8, max_new_tokens=60, max_length=96)
     policy = fleet.policy(env, seed=9, options=ServerOptions(request_timeout_s=3.0, connect_timeout_s=1.0))
     collector = TokenCollector(env, policy, mode="trajectories", batch_size=8, source="wave")
@@ -489,14 +492,17 @@ def test_a_server_killed_mid_wave_loses_nothing(fleet):
         ids = batch[keys.TRAJ_ID][:, 0].tolist()
         assert sorted(ids) == list(range(8))  # every trajectory once
         assert not policy.fleet.servers[1].is_up
+        down = [r.getMessage() for r in caplog.records if "marked down" in r.getMessage()]
+        moved = int(re.search(r"(\d+) request\(s\) in flight on it go to", down[0]).group(1))
+        assert len(down) == 1 and policy.counts()["retried_requests"] == moved >= 1  # each moved request counts once
         state = policy.collection_state()
-        os.killpg(fleet.servers[0].process.pid, signal.SIGSTOP)  # the last server hangs too
+        os.killpg(fleet.servers[0].pid, signal.SIGSTOP)  # the last server hangs too
         try:
             with pytest.raises(NoServerError, match=r"no vLLM server left .*127\.0\.0\.1.*127\.0\.0\.1"):
                 env.reset()
                 policy.generate(env.wave_request())
         finally:
-            os.killpg(fleet.servers[0].process.pid, signal.SIGCONT)
+            os.killpg(fleet.servers[0].pid, signal.SIGCONT)
         assert policy.collection_state() == state  # a failed wave consumes no seeds: a checkpoint resumes exactly
     finally:
         killer.join()

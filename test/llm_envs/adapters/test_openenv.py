@@ -59,13 +59,13 @@ def test_sessions_give_per_turn_rewards_and_masked_feedback(openenv_server, tok,
 def test_concurrent_sessions_one_per_slot(openenv_server, tok, lm):
     env = _env(openenv_server.url, tok, lm, batch_size=6)
     env.reset()
-    assert len(env.backend.live) == 6
+    assert len(env.turns.backend.live) == 6
     episodes = sorted(env.slot_prompt(b).metadata["episode"] for b in range(6))
     assert episodes == list(range(6))
-    outcomes = env.backend.step(episodes, ["5"] * 6)  # six steps in flight at once, one per session
+    outcomes = env.turns.backend.step(episodes, ["5"] * 6)  # six steps in flight at once, one per session
     assert [o.reward for o in outcomes] == [score("5", env.source.episode_seed(g) % 10)[0] for g in episodes]
     env.close()
-    assert env.backend.live == []
+    assert env.turns.backend.live == []
 
 
 def test_killed_server_ends_only_its_episodes_and_the_collector_resumes(openenv_server, tok, lm):
@@ -127,7 +127,7 @@ def test_bad_arguments(openenv_server, tok, lm):
         make_openenv_env(openenv_server.url, tok, group_size=2)
     env = _env(openenv_server.url, tok, lm, batch_size=1, action_field="nope")  # the server rejects the action
     env.reset()
-    out = env.backend.step([0], ["5"])
+    out = env.turns.backend.step([0], ["5"])
     assert "answered with an error" in str(out[0])
     env.close()
 
@@ -143,5 +143,5 @@ def test_gym_reset_with_a_seed_starts_the_same_episode_again(openenv_server, tok
     again = gym_episode(env, actions[:3])  # mid-episode: the session the slot held is closed
     assert repr(again) == repr(first[:4])
     assert repr(gym_episode(env, actions)) == repr(first)
-    assert env.env.backend.live == []  # max_turns ended it
+    assert env.env.turns.backend.live == []  # max_turns ended it
     env.env.close()

@@ -48,7 +48,7 @@ def test_a_session_limit_below_the_batch_size_is_named(tok, lm, caplog):
         assert f"ws://127.0.0.1:{server.port}/ws" in message
         logged = [r for r in caplog.records if r.name.startswith("tokengym.") and "could not start" in r.getMessage()]
         assert len(logged) == 2 and all(r.levelno == logging.WARNING for r in logged)  # two slots over the limit
-        assert len(env.backend.live) == 2  # the two sessions the server took go on
+        assert len(env.turns.backend.live) == 2  # the two sessions the server took go on
         env.close()
     finally:
         server.stop()

@@ -57,7 +57,7 @@ def test_textarena_games_report_their_rewards_and_turns(tok, lm, make_policy, ga
                 assert len(texts) == 4 or bool(batch[keys.TRUNCATED][row, end])
             n_turns += len(texts)
     assert n_turns > 6
-    assert len(env.backend.live) <= 4  # one game per slot, instances reused
+    assert len(env.turns.backend.live) <= 4  # one game per slot, instances reused
 
 
 class Counter:
@@ -115,7 +115,7 @@ def test_failing_text_env_ends_only_its_episode():
 def test_factories_pickle_and_bad_input(tok):
     factory = pickle.loads(pickle.dumps(textarena_factory("GuessTheNumber-v0")))
     assert isinstance(factory(), TextArenaEnv)
-    env = pickle.loads(pickle.dumps(make_textarena_env("TowerOfHanoi-v0", tok, batch_size=2).backend))
+    env = pickle.loads(pickle.dumps(make_textarena_env("TowerOfHanoi-v0", tok, batch_size=2).turns.backend))
     assert env.live == []
     with pytest.raises(ValueError, match="textarena.make\\('NoSuchGame-v0'\\) failed"):
         make_textarena_env("NoSuchGame-v0", tok)
@@ -148,6 +148,17 @@ def test_gym_reset_with_a_seed_starts_the_same_episode_again(tok, make, env_kwar
     assert first[0][1]["metadata"]["episode"] == 0 and len(first) == 1 + len(actions)  # two turns and one token
     again = gym_episode(env, actions)  # mid-episode: the episode the slot held ends
     assert repr(again) == repr(first)
-    assert env.env.backend.live == [0]
+    assert env.env.turns.backend.live == [0]
     assert gym_episode(env, actions, seed=1)[0][1]["metadata"]["seed"] != first[0][1]["metadata"]["seed"]
     env.env.close()
+
+
+def test_a_finite_episode_env_is_evaluated_in_one_call(tok, lm):
+    """num_episodes makes an episode env end, so evaluate() takes it (each episode once)."""
+    from tokengym.collectors.policies import SamplingConfig, TransformersPolicy
+    from tokengym.evaluation import evaluate
+
+    env = make_text_env(functools.partial(Counter, 2), tok, batch_size=2, max_turns=3, max_new_tokens=20,
+                        max_length=128, eos_token_ids=END_IDS, model_config=lm.config, num_episodes=3)  # fmt: skip
+    result = evaluate(env, TransformersPolicy(lm, env, sampling=SamplingConfig(), seed=0))
+    assert result.metrics["prompts"] == 3 and result.metrics["samples"] == 3

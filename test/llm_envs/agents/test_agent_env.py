@@ -18,6 +18,7 @@ from tokengym.collectors.policies import PaddedSequenceActor, SamplingConfig, Tr
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.agents import AgentError, make_agent_env
 from tokengym.llm_envs.errors import PromptError
+from tokengym.testing import PublishAfter
 from tokengym.transforms import GroupAdvantage, group_advantages, step_log_probs, to_padded
 
 GREEDY = SamplingConfig(greedy=True)
@@ -67,6 +68,26 @@ def test_react_agent_with_parallel_tool_calls_trains(tool_tokenizer, tool_model,
     actor = PaddedSequenceActor(model)
     loss = GRPOLoss(actor)(padded)
     assert torch.isfinite(loss.loss_objective)
+    env.close()
+
+
+def test_an_agent_call_across_a_weight_update_gets_one_reply(tool_tokenizer, tool_model):
+    """A wave interrupted by an update (partial rollouts) goes on in the next wave: the program sees one reply per call,
+    as if nothing happened (the update here publishes the same weights, so greedy decoding replays the same episode)."""
+    tok, model = tool_tokenizer, tool_model
+    env = _env(tok, model)
+    policy = TransformersPolicy(model, env, sampling=GREEDY, return_raw_log_prob=True)
+    policy.interrupt = PublishAfter(6, lambda: collector.update_policy_weights_(model.state_dict()))
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=4, total_steps=4000, source="wave")
+    batch = next(iter(collector))
+    assert collector.metrics["interrupted_sequences"] > 0 and policy.version == 1
+    assert batch[keys.REWARD].sum((1, 2)).tolist() == [1.0] * 4  # the right sums, as without the interruption
+    assert (batch[keys.TURN].amax(1) == 1).all() and collector.metrics["agent_errors"] == 0
+    _check_tokens(batch, model, tok)
+    table = batch.get_non_tensor(keys.PROMPTS)
+    for traj in batch[keys.TRAJ_ID][:, 0].tolist():  # two calls answered by two tool results, as in one wave
+        text = tok.decode(table.sequence(traj))
+        assert text.count("</tool_call>") == 3 and text.count("</tool_response>") == 2, text
     env.close()
 
 

@@ -1,0 +1,141 @@
+"""What differs per generation engine, and nothing else: the dialect protocols of the wave backends.
+
+Every wave backend (an engine in this process, a fleet of servers) is one core (:mod:`._wave_core`: request seeds,
+budgets, versions, collection state, the weight path, the LoRA choice) and one dialect that speaks to the engine.
+A dialect turns a wave into the engine's requests and its answers back into token ids and log-probs, and knows the
+engine's endpoints, start-up checks, weight reload, cache reset and abort. The vLLM dialects are in
+:mod:`._vllm_dialect`; ``docs/guides/backends.md`` ("Writing an engine dialect") shows what another engine's needs.
+
+:func:`check_dialect` refuses, with a ``TypeError`` naming them, a dialect that lacks a member its protocol requires,
+before it reaches an engine.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any, Generic, Protocol
+
+from tokengym.collectors.policies.sampling import SamplingConfig
+
+__all__ = ["EngineDialect", "ServerDialect", "WaveDialect", "check_dialect", "required_members"]
+
+
+class WaveDialect(Protocol):
+    """How one engine's requests and answers look (both kinds of dialect).
+
+    The core calls, per wave: ``wave_fields`` once, ``row`` per prompt, the backend sends the rows, ``reply`` per
+    answer. Sampling fields are computed once per policy by ``sampling_fields`` (a policy keeps them as ``_base``).
+    """
+
+    name: str
+    """The engine's name in messages (``"vLLM"``)."""
+    max_stop_strings: int | None
+    """The most stop strings a request may carry (``None``: any number); the env cuts each turn at its first stop
+    string whatever the engine stopped on, so any subset is safe."""
+
+    def sampling_fields(self, sampling: SamplingConfig) -> dict:
+        """The request fields a :class:`~tokengym.collectors.policies.SamplingConfig` maps to, with what makes the
+        engine return one processed log-prob per sampled token, ignore its own end id and keep token ids."""
+
+    def wave_fields(self, base: dict, eos_token_ids: Sequence[int], stop_strings: Sequence[str]) -> dict:
+        """``base`` (the sampling fields) with the wave's end ids and stop strings (at most ``max_stop_strings``)."""
+
+    def row(self, fields: dict, prompt: list[int], max_tokens: int, seed: int | None) -> Any:
+        """One request: ``prompt`` token ids continued by at most ``max_tokens`` tokens sampled with ``seed``."""
+
+    def reply(self, answer: Any) -> tuple[Sequence[int], Sequence[float] | None]:
+        """The token ids of one answer and their log-probs (``None`` when the engine gave none)."""
+
+
+class ServerDialect(WaveDialect, Protocol):
+    """What an HTTP inference server adds: endpoints, start-up checks, weight reload, cache reset and abort.
+
+    Async members run on the fleet's event loop; ``fleet`` is the
+    :class:`~tokengym.collectors.policies._server_fleet.ServerFleet` (``fleet.call(server, method, path, body)``).
+    """
+
+    generate_path: str
+    """The path a generation request is POSTed to (``"/v1/completions"``)."""
+    health_path: str
+    """The path that answers 200 once the server takes requests (``"/health"``)."""
+    reload_hint: str
+    """What a server that refuses a weight reload needs (appended to its 4xx answer)."""
+
+    async def inspect(self, fleet, server, probe_ids: list[int]) -> dict:
+        """What ``server`` says about itself: a dict with at least ``url``, ``model``, ``root`` (its model path),
+        ``max_model_len``, ``vocab_size`` and ``probe_text`` (``probe_ids`` decoded by the server, ``None`` when it
+        has no tokenizer: stop strings are then left to the env). ``ValueError`` when it is not this engine's
+        server or cannot be reached."""
+
+    def check(self, answer: dict, env, *, is_unmodified: bool, model: str | None, sampling: SamplingConfig) -> None:
+        """``ValueError`` naming the server and the fix where ``answer`` (:meth:`inspect`) does not fit ``env``."""
+
+    def check_fleet(self, answers: list[dict]) -> None:
+        """``ValueError`` where the servers of one fleet differ (model, context, vocabulary)."""
+
+    def transport(self, root):
+        """The default :class:`~tokengym.collectors.policies._server_weights.WeightTransport` (``root``: where
+        weights are written, ``None`` a temporary directory): how a server loads published weights."""
+
+    async def reset_cache(self, fleet, server) -> None:
+        """Drop ``server``'s prefix cache (KV computed under the old weights) after new weights."""
+
+    async def abort(self, fleet, server, attempts: Sequence) -> None:
+        """Stop requests in flight on ``server`` (``attempts``: the fleet's tasks posting them). Used by partial
+        rollouts: a wave interrupted when new weights are published keeps the tokens its rows have so far."""
+
+
+class EngineDialect(WaveDialect, Protocol):
+    """What an engine in this process adds: generation, weight reload, cache reset and abort."""
+
+    def generate(self, rows: list, adapter=None) -> list:
+        """The answers to ``rows`` (:meth:`row`), in order, sampled with LoRA ``adapter`` (``None``: the base)."""
+
+    def reload(self, items: list) -> None:
+        """Load ``(name, tensor)`` pairs (transformers names, every tensor of the checkpoint) into the engine."""
+
+    def reset_cache(self) -> None:
+        """Drop the engine's prefix cache (KV computed under the old weights)."""
+
+    def abort(self) -> None:
+        """Stop the wave in progress (partial rollouts: called from another thread when new weights are published);
+        ``NotImplementedError`` where the engine cannot be stopped mid-wave."""
+
+
+def required_members(protocol: type) -> list[str]:
+    """The names a dialect of ``protocol`` must have: its attributes and methods, and its bases'.
+
+    Example:
+        >>> required_members(WaveDialect)
+        ['max_stop_strings', 'name', 'reply', 'row', 'sampling_fields', 'wave_fields']
+    """
+    names = set()
+    for cls in protocol.__mro__:
+        if cls in (object, Protocol, Generic):
+            continue
+        names |= set(vars(cls).get("__annotations__", {}))
+        names |= {n for n, v in vars(cls).items() if inspect.isfunction(v)}
+    return sorted(n for n in names if not n.startswith("_"))
+
+
+def check_dialect(dialect, protocol: type) -> None:
+    """``TypeError`` naming each member of ``protocol`` that ``dialect`` lacks (or has as a non-method).
+
+    Example:
+        >>> class Half:
+        ...     name, max_stop_strings = "X", None
+        ...     def reply(self, answer): ...
+        >>> check_dialect(Half(), WaveDialect)
+        Traceback (most recent call last):
+        ...
+        TypeError: the Half dialect lacks row, sampling_fields, wave_fields of the WaveDialect protocol; ...
+    """
+    missing = []
+    for name in required_members(protocol):
+        if not hasattr(dialect, name) or (callable(getattr(protocol, name, None)) and not callable(getattr(dialect, name))):
+            missing.append(name)
+    if missing:
+        raise TypeError(f"the {type(dialect).__name__} dialect lacks {', '.join(missing)} of the {protocol.__name__} "
+                        f"protocol; a dialect implements every member of it (see "
+                        f"tokengym.collectors.policies._dialect and docs/guides/backends.md)")  # fmt: skip

@@ -1,0 +1,146 @@
+"""vLLM's dialects: its OpenAI-compatible server (:class:`VLLMServerDialect`) and its in-process engine
+(:class:`VLLMEngineDialect`), the two engines behind :class:`~tokengym.collectors.policies.VLLMServerPolicy` and
+:class:`~tokengym.collectors.policies.VLLMPolicy` (protocols in :mod:`._dialect`).
+
+Both send the same sampling fields and read the same processed log-probs, so a wave means the same on either: the
+same prompt, budget and seed give the same tokens. On a server every sampling field is sent, so its
+``generation_config`` defaults never apply; banned tokens go as ``logit_bias`` -100 (vLLM clamps a bias to +-100):
+a banned token then keeps ``exp(-100)`` of its weight, below float32 resolution of every log-prob reported unless
+its logit beats the others by ~80. In the engine they are ``-inf``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from tokengym.collectors.policies._vllm_requests import sampling_fields
+from tokengym.collectors.policies.sampling import SamplingConfig
+
+__all__ = ["VLLMEngineDialect", "VLLMServerDialect"]
+
+_NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}  # fmt: skip
+_BANNED_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
+_RESET_TRIES = 50  # a prefix-cache reset refused while blocks are held is retried every 20 ms, then forced
+
+
+class VLLMServerDialect:
+    """vLLM's OpenAI-compatible server (``/v1/completions`` with token ids, ``VLLM_SERVER_DEV_MODE=1`` endpoints)."""
+
+    name = "vLLM"
+    generate_path = "/v1/completions"
+    health_path = "/health"
+    max_stop_strings = 4  # the OpenAI completions API (and vLLM's) refuses more
+    reload_hint = ("weight reload needs a server started with VLLM_SERVER_DEV_MODE=1 (it opens /collective_rpc and "
+                   "/reset_prefix_cache)")  # fmt: skip
+
+    def sampling_fields(self, sampling: SamplingConfig) -> dict:
+        fields = {**_NEUTRAL, **sampling_fields(sampling), "n": 1, "logprobs": 0, "ignore_eos": True,
+                  "skip_special_tokens": False, "include_stop_str_in_output": True, "return_token_ids": True}  # fmt: skip
+        if sampling.banned_token_ids:
+            fields["logit_bias"] = {str(i): _BANNED_BIAS for i in sampling.banned_token_ids}
+        return fields
+
+    def wave_fields(self, base: dict, eos_token_ids: Sequence[int], stop_strings: Sequence[str]) -> dict:
+        fields = dict(base, stop_token_ids=list(eos_token_ids))
+        if stop_strings:
+            fields["stop"] = list(stop_strings[: self.max_stop_strings])
+        return fields
+
+    def row(self, fields: dict, prompt: list[int], max_tokens: int, seed: int | None) -> dict:
+        return dict(fields, prompt=prompt, max_tokens=max_tokens, seed=seed)
+
+    def reply(self, answer: dict):
+        choice = answer["choices"][0]
+        return choice["token_ids"], (choice.get("logprobs") or {}).get("token_logprobs")
+
+    async def inspect(self, fleet, server, probe_ids: list[int]) -> dict:
+        from tokengym.collectors.policies._server_checks import inspect_server
+
+        return await inspect_server(fleet, server, probe_ids)
+
+    def check(self, answer: dict, env, *, is_unmodified: bool, model: str | None, sampling: SamplingConfig) -> None:
+        from tokengym.collectors.policies._server_checks import check_server
+
+        check_server(answer, env, is_unmodified=is_unmodified, model=model, sampling=sampling)
+
+    def check_fleet(self, answers: list[dict]) -> None:
+        from tokengym.collectors.policies._server_checks import check_fleet
+
+        check_fleet(answers)
+
+    def transport(self, root):
+        from tokengym.collectors.policies._server_weights import DirectoryTransport
+
+        return DirectoryTransport(root)
+
+    async def reset_cache(self, fleet, server) -> None:
+        """Drop every cached prefix (KV computed under the old weights would be reused otherwise).
+
+        The server refuses while blocks are still held (a request that just finished, one still running
+        for another client): retry for up to a second, then preempt running requests."""
+        for attempt in range(_RESET_TRIES + 1):
+            query = "?reset_running_requests=true" if attempt == _RESET_TRIES else ""
+            answer = await fleet.call(server, "POST", "/reset_prefix_cache" + query)
+            if answer is None or answer.get("success", True):
+                return
+            await asyncio.sleep(0.02)
+        raise OSError(f"{server.url} did not reset its prefix cache after new weights (it answered success=false)")
+
+    async def abort(self, fleet, server, attempts: Sequence) -> None:
+        """vLLM aborts a request whose connection closes: cancelling its attempt is the abort."""
+        for attempt in attempts:
+            attempt.cancel()
+
+
+class VLLMEngineDialect:
+    """vLLM's in-process ``vllm.LLM`` (``SamplingParams`` per request, weights through the workers' reload).
+
+    Args:
+        llm: the running ``vllm.LLM``.
+        sampling_params: ``vllm.SamplingParams``.
+    """
+
+    name = "vLLM"
+    max_stop_strings = None
+
+    def __init__(self, llm, sampling_params) -> None:
+        self.llm, self.make_params = llm, sampling_params
+
+    def sampling_fields(self, sampling: SamplingConfig) -> dict:
+        fields = dict(n=1, logprobs=0, flat_logprobs=True, ignore_eos=True, detokenize=False,
+                      skip_special_tokens=False, include_stop_str_in_output=True)  # fmt: skip
+        fields.update(sampling_fields(sampling))
+        if sampling.banned_token_ids:
+            fields["logit_bias"] = {i: -float("inf") for i in sampling.banned_token_ids}
+        return fields
+
+    def wave_fields(self, base: dict, eos_token_ids: Sequence[int], stop_strings: Sequence[str]) -> dict:
+        fields = dict(base, stop_token_ids=list(eos_token_ids))
+        if stop_strings:
+            fields.update(stop=list(stop_strings), detokenize=True)
+        return fields
+
+    def row(self, fields: dict, prompt: list[int], max_tokens: int, seed: int | None) -> tuple:
+        return {"prompt_token_ids": prompt}, self.make_params(**fields, max_tokens=max_tokens, seed=seed)
+
+    def reply(self, answer):
+        return answer.token_ids, None if answer.logprobs is None else answer.logprobs.logprobs
+
+    def generate(self, rows: list, adapter=None) -> list:
+        prompts, params = [r[0] for r in rows], [r[1] for r in rows]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
+        return [o.outputs[0] for o in outputs]
+
+    def reload(self, items: list) -> None:
+        # vLLM's CPU backend repacks linear weights after loading, so model.load_weights fails on a
+        # running engine; the worker's reload path undoes the packing, loads, and packs again
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+
+    def reset_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def abort(self) -> None:
+        raise NotImplementedError("vLLM's LLM.generate cannot be stopped from another thread; partial rollouts on "
+                                  "the in-process engine need it driven step by step (LLMEngine.step)")  # fmt: skip
