@@ -17,6 +17,9 @@ import torch
 
 torch.set_num_threads(1)
 
+# benchmarks/gpu/ holds the GPU machine's script (run by run.sh, not by pytest): --doctest-modules would import it
+collect_ignore_glob = ["gpu/*"]
+
 _THROUGHPUT: dict = {}
 _BYTES: dict = {}
 _TRL: dict = defaultdict(dict)

@@ -250,10 +250,13 @@ class TokenCollector(CollectorBase):
     def commit_batch(self) -> None:
         """Drop the delivered batch from the recorder, and the prompts no live slot or queued trajectory holds."""
         self.recorder.commit()
-        live = [p.group_id for b in range(self.base_env.batch_size[0]) if (p := self.base_env.slot_prompt(b))]
+        slots = [b for b in range(self.base_env.batch_size[0]) if self.base_env.slot_prompt(b)]
+        live = [self.base_env.slot_prompt(b).group_id for b in slots]
+        trajectories = self.recorder.queued_trajectories() + [self.base_env.slot_trajectory(b) for b in slots]
         if isinstance(self.recorder, TrajectoryRecorder):
             live += self.recorder.queued_groups()
-        self.prompts = self.prompts.subset(torch.tensor(live, dtype=torch.int64), self.recorder.queued_trajectories())
+        # the trajectories still in slots keep their own prompts (a split episode's later part) for their batch
+        self.prompts = self.prompts.subset(torch.tensor(live, dtype=torch.int64), trajectories)
 
     def counts(self) -> dict[str, int]:
         """Failed prompts, dropped tokens, weight updates, the env's prompt counts (over-long prompts skipped or

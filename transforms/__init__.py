@@ -1,5 +1,6 @@
 """Transforms of collected batches (``tokengym.transforms``): KL reward shaping, KL control, reward
-shaping, advantages, filtering, rollout-trainer mismatch correction, per-token loss weights and training layouts."""
+shaping, advantages (per group, per self-play role), filtering, rollout-trainer mismatch correction, per-token loss
+weights and training layouts."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from tokengym.transforms.mismatch import (
     mismatch_weights,
 )
 from tokengym.transforms.reward_shaping import ClipReward, MissingEOSPenalty, OverlongPenalty, ScaleReward
+from tokengym.transforms.role_advantage import RoleAdvantage, trajectory_roles
 from tokengym.transforms.sequences import (
     SequenceLayout,
     check_trajectory_rows,
@@ -77,6 +79,7 @@ __all__ = [
     "MismatchCorrection",
     "MissingEOSPenalty",
     "RatioWindowWeights",
+    "RoleAdvantage",
     "OverlongPenalty",
     "ScaleReward",
     "TurnDiscount",
@@ -98,6 +101,7 @@ __all__ = [
     "sequence_log_probs",
     "sequence_scores",
     "split_trajectories",
+    "trajectory_roles",
     "step_log_probs",
     "to_packed",
     "to_shared_prefix",

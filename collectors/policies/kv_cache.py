@@ -10,6 +10,11 @@ copy: the next decode step's concatenation copies the cache anyway). So a refill
 cache and the cache stays as wide as the longest live slot. Extending slots with env-inserted tokens
 (multi-turn) appends columns for all rows and then right-aligns every row again (``compact``).
 
+Waiting slots (self-play: a player whose slot holds its tokens while another moves) are idle rows that keep their
+trajectory: a decode step still appends a column to their row, masked (only live rows attend to their new column
+later), so a waiting row's tokens are followed by holes until it is extended again (its wake) and realigned. The
+host keeps where each row's first cached column is, so a refill of other rows never drops a waiting row's columns.
+
 Placement: keys, values and the attention mask live on the model's devices; the bookkeeping (each row's cached length
 and trajectory id) lives on the host beside the env's slot state, so deciding what to prefill never waits for the
 device. A decode step sends the fed tokens and their positions in one host-to-device copy, a refill its prompts in
@@ -60,6 +65,10 @@ class SlotKVCache:
         # host bookkeeping, beside the env's slot state: reading it never synchronizes with the device
         self.length = torch.zeros(batch_size, dtype=torch.int64)  # cached tokens per slot
         self.traj = torch.full((batch_size,), -1, dtype=torch.int64)  # trajectory per row
+        # where each row's first cached token sits, in a column numbering that dropping front columns does not move:
+        # column c of the cache is number `_base + c`; a right-aligned row starts at `_base + columns - length`
+        self.first = torch.zeros(batch_size, dtype=torch.int64)
+        self._base = 0
         self._one = torch.ones(batch_size, dtype=torch.int64)
         self._new_column = torch.ones(batch_size, 1, dtype=torch.int64, device=self.device)
         self._seen: tuple = (None, None)  # the (traj_id, active) tensors of the last sync
@@ -96,6 +105,11 @@ class SlotKVCache:
     def columns(self) -> int:
         return self.mask.shape[1]
 
+    def span(self) -> torch.Tensor:
+        """Columns (B,) from each row's first cached token to the last column: its length, plus the masked columns
+        decode steps appended while it waited (0 rows: meaningless)."""
+        return self._base + self.columns - self.first
+
     # -- catching up with the env --
     def sync(self, tokens: torch.Tensor, seq_len: torch.Tensor, traj: torch.Tensor, active: torch.Tensor) -> None:
         """Catch every live slot up with the env: prefill new trajectories, extend with env-inserted tokens.
@@ -115,29 +129,37 @@ class SlotKVCache:
         # a new trajectory, or a cache ahead of the env (a step rolled back after a reward error): prefill
         stale = active & ((traj != self.traj) | (self.length >= seq_len))
         if bool(stale.any()):
+            held = ~stale & (traj == self.traj) & (self.length > 0)  # live or waiting rows: their columns stay
             self.traj = torch.where(stale, traj, self.traj)
-            self._refill(stale.nonzero().squeeze(-1), tokens, seq_len, active)
+            self._refill(stale.nonzero().squeeze(-1), tokens, seq_len, held)
         grown = active & (self.length < seq_len - 1)
         if bool(grown.any()):
             rows = grown.nonzero().squeeze(-1)
             self.extend(rows, [tokens[b, int(self.length[b]) : int(seq_len[b]) - 1] for b in rows.tolist()])
 
     @torch.inference_mode()
-    def _refill(self, rows: torch.Tensor, tokens: torch.Tensor, seq_len: torch.Tensor, active: torch.Tensor) -> None:
-        """Start ``rows`` over with the prefixes ``tokens[row, : seq_len - 1]``.
+    def _refill(self, rows: torch.Tensor, tokens: torch.Tensor, seq_len: torch.Tensor, held: torch.Tensor) -> None:
+        """Start ``rows`` over with the prefixes ``tokens[row, : seq_len - 1]``; the rows ``held`` (B,) keep their
+        cached tokens (live slots, and waiting ones: idle rows of the same trajectory).
 
         Rows with the same prefix (a group's samples) share it: one row of each is prefilled, in one forward over
         those rows, and the others copy its cache rows (:meth:`copy_rows`); a prefix the :class:`PrefixStore` holds
         (an earlier sample of the group) is written from there, without a forward.
         """
-        self.length[rows] = 0
+        # rows neither held nor refilled (an idle slot that moved on to a new trajectory) forget their tokens
+        forget = ~held
+        forget[rows] = True
+        self.length[forget] = 0
         lens = seq_len[rows] - 1  # (n,) tokens to prefill; the last one is fed by decode
         width = int(lens.max())
-        # the columns any live slot still needs; the refilled rows need `width`
-        keep = max(int(torch.where(active, self.length, 0).max()), width)
+        # the columns any held row still needs (a waiting row's span: its tokens and the holes after them); the
+        # refilled rows need `width`
+        keep = max(int(torch.where(held, self.span(), 0).max()), width)
         self._resize(keep)
-        self.mask.index_fill_(0, rows.to(self.device, non_blocking=True), 0)  # not `mask[rows] = 0`: a host scalar
-        if width == 0:  # one-token prompts: nothing to prefill                 # copied to the device waits for it
+        # not `mask[rows] = 0`: a host scalar copied to the device waits for it
+        self.mask.index_fill_(0, forget.nonzero().squeeze(-1).to(self.device, non_blocking=True), 0)
+        self.first[rows] = self._base + keep - lens
+        if width == 0:  # one-token prompts: nothing to prefill
             return
         at_rows = rows.tolist()
         if self.share_prefixes:  # rows by prefix: a group's samples share one
@@ -212,6 +234,8 @@ class SlotKVCache:
         if bool((upto > self.length[src]).any()) or bool((upto < 0).any()):
             raise ValueError(f"copy_rows: upto {upto.tolist()} must be within the source rows' cached tokens "
                              f"{self.length[src].tolist()}")  # fmt: skip
+        if bool((self.span()[src] != self.length[src]).any()):  # a waiting source row: holes follow its tokens
+            self.compact()
         C = self.columns
         cols = torch.arange(C)
         # source token t sits at column C - length + t; its copy at C - upto + t: a shift of length - upto columns
@@ -225,10 +249,12 @@ class SlotKVCache:
             v[here[1]] = v[here[0]].gather(2, order)
         self.mask[dst_d] = kept
         self.length[dst] = upto
+        self.first[dst] = self._base + C - upto
 
     def _resize(self, keep: int) -> None:
         """Make the cache ``keep`` columns wide: drop the first columns (a view) or prepend holes (a copy)."""
         drop = self.columns - keep
+        self._base += drop  # the columns keep their numbers
         if drop > 0:
             self.kv = [(k[:, :, drop:], v[:, :, drop:]) for k, v in self.kv]
             self.mask = self.mask[:, drop:]
@@ -280,16 +306,19 @@ class SlotKVCache:
         """Feed one token per slot (B,), appended where ``live``; returns next-token logits (B, V).
 
         Every row attends to its new column (idle rows to their own token), so no row is ever fully
-        masked; only live rows count it as a cached token.
+        masked; only live rows count it as a cached token, and keep it unmasked: an idle row's column is a hole (a
+        waiting slot's later tokens must not attend to it).
         """
-        step = torch.stack([tokens, self.length], 1).to(self.device, non_blocking=True)  # (B, 2): one copy
+        step = torch.stack([tokens, self.length, live.to(torch.int64)], 1)  # (B, 3): one host-to-device copy
+        step = step.to(self.device, non_blocking=True)
         attention = torch.cat([self.mask, self._new_column], dim=1)  # (B, C+1)
         out = self.model(
             input_ids=step[:, :1],
             attention_mask=self._decode_mask(attention),
-            position_ids=step[:, 1:],
+            position_ids=step[:, 1:2],
             past_key_values=self.cache,
         )
+        attention[:, -1] = step[:, 2]  # after the forward: the new column stays attended by live rows only
         self.mask = attention
         self.length += live
         return out.logits[:, -1]
@@ -333,6 +362,7 @@ class SlotKVCache:
         self.mask = self.mask.gather(1, order)
         self.kv = [(k.gather(2, _expand(order.to(k.device), k)), v.gather(2, _expand(order.to(v.device), v)))
                    for k, v in self.kv]  # fmt: skip
+        self.first.copy_(self._base + keep - self.length)
 
     def clear(self) -> None:
         """Forget every slot (after a weight update, say): the next :meth:`sync` prefills every live slot.
@@ -344,14 +374,15 @@ class SlotKVCache:
         self.mask = self.mask.new_zeros(self.batch_size, 0)
         self.length = torch.zeros_like(self.length)
         self.traj = torch.full_like(self.traj, -1)
+        self.first, self._base = torch.zeros_like(self.first), 0
         self._seen = (None, None)
         self.prefixes.clear()  # held prompts: their keys and values belong to the old weights
 
     # -- checkpoints --
     def state_dict(self) -> dict:
-        """Keys, values, mask, lengths and trajectory ids (clones), for checkpoints."""
+        """Keys, values, mask, lengths, spans and trajectory ids (clones), for checkpoints."""
         return {"kv": [(k.clone(), v.clone()) for k, v in self.kv], "mask": self.mask.clone(),
-                "length": self.length.clone(), "traj": self.traj.clone(),
+                "length": self.length.clone(), "span": self.span(), "traj": self.traj.clone(),
                 "prefixes": self.prefixes.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -364,6 +395,8 @@ class SlotKVCache:
                    for (k, v), (mine, mine_v) in zip(state["kv"], self.kv, strict=True)]  # fmt: skip
         self.mask = state["mask"].to(self.device, copy=True)
         self.length, self.traj = state["length"].to("cpu", copy=True), state["traj"].to("cpu", copy=True)
+        self._base = 0  # a checkpoint without spans (older) holds right-aligned rows
+        self.first = self.columns - state.get("span", self.length).to("cpu", copy=True)
         self._seen = (None, None)
         self.prefixes.load_state_dict(state.get("prefixes", []), [(k.device, v.device) for k, v in self.kv])
 

@@ -19,7 +19,14 @@ from tokengym.llm_envs.adapters.reasoning_gym import (
     reasoning_gym_prompts,
 )
 from tokengym.llm_envs.adapters.text_env import TextEnvBackend, make_text_env
-from tokengym.llm_envs.adapters.textarena import TextArenaEnv, make_textarena_env, textarena_factory
+from tokengym.llm_envs.adapters.textarena import (
+    TextArenaEnv,
+    TextArenaGame,
+    make_textarena_env,
+    make_textarena_self_play_env,
+    textarena_factory,
+    textarena_game_factory,
+)
 
 __all__ = [
     "EpisodeTokenEnv",
@@ -30,14 +37,17 @@ __all__ = [
     "ReasoningGymReward",
     "ReasoningGymSpec",
     "TextArenaEnv",
+    "TextArenaGame",
     "TextEnvBackend",
     "held_out_split",
     "make_openenv_env",
     "make_reasoning_gym_env",
     "make_text_env",
     "make_textarena_env",
+    "make_textarena_self_play_env",
     "reasoning_gym_prompts",
     "textarena_factory",
+    "textarena_game_factory",
 ]
 
 REASONING_GYM_ID = "tokengym/ReasoningGym-v0"

@@ -15,8 +15,10 @@ is abandoned: every player scores 0.
 
 **Groups and roles.** ``games_per_group`` games are played from one game seed; their ``games_per_group * n`` player
 trajectories share a ``group_id`` (the env's ``group_size``), and player ``r`` of game ``j`` has ``sample_id = j * n +
-r``: its role is ``sample_id % n``. Advantages should compare a role with itself (per-role GRPO groups by
-``(group_id, sample_id % n)``).
+r``: its role is ``sample_id % n``. Advantages should compare a role with itself
+(:class:`~tokengym.transforms.RoleAdvantage`: per-role GRPO groups by ``(group_id, sample_id % n)``, or SPIRAL's
+moving-average baseline per role). TextArena's games of several players:
+:func:`~tokengym.llm_envs.adapters.make_textarena_self_play_env`.
 
 **Checkpoints.** A live game cannot be saved: :meth:`SelfPlayTurns.state_dict` keeps each game's seed and the calls
 made on it (moves and observations, in order) and loading replays them on a new game.

@@ -188,6 +188,7 @@ def test_both_roles_in_one_batch_with_their_own_rewards(tok, model, source):
     policy = TransformersPolicy(model, env, seed=0)
     collector = TokenCollector(env, policy, mode="trajectories", batch_size=8, source=source)
     batch = next(iter(collector))
+    batch = next(iter(collector))  # a second batch: seats of new games served while others wait
     group, sample = batch[keys.GROUP_ID][:, 0], batch[keys.SAMPLE_ID][:, 0]
     assert len(group.unique()) == 2  # two groups of 2 games x 2 players
     for g in group.unique():
@@ -197,8 +198,9 @@ def test_both_roles_in_one_batch_with_their_own_rewards(tok, model, source):
     game = group * 2 + sample // 2
     for k in game.unique():  # each game's two players: zero-sum
         assert float(returns[game == k].sum()) == 0.0
-    if source == "wave":  # the sampling log-probs of both roles are the teacher-forced ones
-        forced = policy.teacher_forced_log_probs(batch)
-        mask = batch[keys.MASK]
-        torch.testing.assert_close(batch[keys.ACTION_LOG_PROB][mask], forced[mask], atol=2e-5, rtol=0)
+    # the sampling log-probs of both roles are the teacher-forced ones (the step source: a waiting slot's cache row
+    # holds its tokens while the other player moves and slots are refilled, and takes the wake's tokens)
+    forced = policy.teacher_forced_log_probs(batch)
+    mask = batch[keys.MASK]
+    torch.testing.assert_close(batch[keys.ACTION_LOG_PROB][mask], forced[mask], atol=2e-5, rtol=0)
     collector.shutdown()

@@ -113,3 +113,52 @@ def test_clear_and_checkpoint_round_trip(model):
     slots.append(0, [22])
     slots.append(1, [23])
     _check(model, cache, slots, _step(cache, slots))  # everything prefilled again
+
+
+def test_a_waiting_slot_keeps_its_tokens_through_refills_and_wakes_exactly(model):
+    """Self-play: a slot waits (inactive, same trajectory) while others decode and are refilled, then wakes with the
+    other player's move appended; an idle slot that moved on to a new trajectory forgets its tokens."""
+    slots, cache = _Slots([[5, 6, 7], [8, 9, 10, 11], [12, 13]]), SlotKVCache(model, 3)
+    slots.active = torch.tensor([True, False, True])  # slot 1 waits from the start: never prefilled yet
+    for t in range(6):
+        logits = _step(cache, slots)
+        _check(model, cache, slots, logits)
+        for b in (0, 2):
+            slots.append(b, [20 + t])
+        if t == 1:  # slot 1 wakes for its first turn; slot 0 waits from now on
+            slots.append(1, [30, 31, 32])
+            slots.active = torch.tensor([False, True, True])
+        if t == 3:  # slot 2 ends and is refilled while slot 0 waits: slot 0's columns stay
+            slots.refill(2, [40, 41, 42, 43, 44, 45, 46, 47, 48])
+        if t >= 1:
+            slots.append(1, [21 + t])
+    state = cache.state_dict()  # a checkpoint while slot 0 waits
+    slots.append(0, [50, 51, 52, 53])  # slot 0 wakes with the other player's move (several tokens)
+    slots.active = torch.tensor([True, True, True])
+    restored = SlotKVCache(model, 3)
+    restored.load_state_dict(state)
+    logits = _step(cache, slots)
+    _check(model, cache, slots, logits)
+    assert torch.equal(logits, _step(restored, slots))
+    slots.active = torch.tensor([True, False, True])  # slot 1 waits a step, then wakes with one token (no prefill)
+    for b in (0, 2):
+        slots.append(b, [60])
+    _check(model, cache, slots, _step(cache, slots))
+    slots.append(1, [61])
+    slots.active = torch.tensor([True, True, True])
+    for b in (0, 2):
+        slots.append(b, [62])
+    _check(model, cache, slots, _step(cache, slots))
+    # slot 1 moves on to a new trajectory while idle (a new seat that waits), then slot 2 is refilled: slot 1's old
+    # tokens are forgotten, and its new trajectory is prefilled when it wakes
+    slots.refill(1, [70, 71, 72])
+    slots.active = torch.tensor([True, False, True])
+    slots.refill(2, [73, 74])
+    slots.append(0, [63, 64])  # and slot 0 gets env-inserted tokens (a cache realignment)
+    _check(model, cache, slots, _step(cache, slots))
+    assert cache.length[1] == 0
+    slots.append(1, [75, 76])
+    slots.active = torch.tensor([True, True, True])
+    for b in (0, 2):
+        slots.append(b, [65])
+    _check(model, cache, slots, _step(cache, slots))
