@@ -1,8 +1,12 @@
 """The public surface: every public name has one home, the top level stays small, help() shows real signatures."""
 
+import ast
 import importlib
 import inspect
+import pathlib
 import typing
+
+import pytest
 
 import tokengym
 import tokengym.errors
@@ -86,3 +90,18 @@ def test_help_shows_the_real_signature_of_every_public_class():
         if [p.kind for p in params] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]:
             hidden.append(f"{where[0]}.{name}")
     assert not hidden, f"help() shows (*args, **kwargs) for {hidden}"
+
+
+EXAMPLES = sorted((pathlib.Path(__file__).resolve().parents[1] / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_import_only_public_names(example):
+    """What a user copies from examples/ uses the public API only: public modules, names in their ``__all__``."""
+    imported = [(node.module, alias.name) for node in ast.walk(ast.parse(example.read_text()))
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tokengym")
+                for alias in node.names]  # fmt: skip
+    assert imported
+    for module, name in imported:
+        assert not any(part.startswith("_") for part in module.split(".")), f"{module} is private"
+        assert name in importlib.import_module(module).__all__, f"{name} is not public in {module}"

@@ -234,9 +234,9 @@ class SelfPlayTurns(TurnHandler):
         game.seats[role] = episode
         self.seat_of[episode] = (g, role)
         if game.result is not None:  # the game ended before this seat was served: it closes at once
-            self.close_seat(game, role)
+            self._close_seat(game, role)
         elif game.game.to_move() == role:
-            self.wake_seat(game, role)
+            self._wake_seat(game, role)
         return Wait(self.intro_ids)
 
     def render(self, messages: list[dict], *, is_generation: bool) -> torch.Tensor:
@@ -268,57 +268,57 @@ class SelfPlayTurns(TurnHandler):
             game.play(turns.responses[i])
             result = game.game.result()
         except Exception as err:  # the game itself broke: this game ends, its players score 0
-            self.abandon(game, role)
+            self._abandon(game, role)
             return Turn.failed(err)
         if result is not None:
             if len(result) != len(game.seats) and len(result) != game.game.num_players:
                 raise RewardFunctionError(f"game {g} gave {len(result)} rewards for {game.game.num_players} players")
             game.result = [float(r) for r in result]
             self.counts["games_finished"] += 1
-            self.end_game(game, role)
+            self._end_game(game, role)
             return Turn(game.result[role], done=True)
         if turns.is_final[i]:  # this player's limit ends the game: abandoned, every player scores 0
-            self.abandon(game, role)
+            self._abandon(game, role)
             return Turn(0.0, done=True)
         nxt = game.game.to_move()
         if nxt == role:
             return Turn(0.0, game.observe(role))
-        self.wake_seat(game, nxt)
+        self._wake_seat(game, nxt)
         return Turn.waiting()
 
-    def wake_seat(self, game: _Game, role: int) -> None:
+    def _wake_seat(self, game: _Game, role: int) -> None:
         """Queue the wake of ``role``'s seat with what it has not seen (nothing when it is not served yet: its
         first observation is served then)."""
         episode = game.seats.get(role)
         if episode is None:
             return
-        self.queued.append(self.wake(game, role, game.observe(role)))
+        self.queued.append(self._wake(game, role, game.observe(role)))
 
-    def wake(self, game: _Game, role: int, text: str, *, is_last: bool = False) -> Wake:
+    def _wake(self, game: _Game, role: int, text: str, *, is_last: bool = False) -> Wake:
         """The wake of ``role``'s seat with ``text`` (its first turn's: rendered after its intro)."""
         if role in game.started:
             return Wake(game.seats[role], text, is_last=is_last)
         game.started.add(role)
         return Wake(game.seats[role], self.first_wake(text), is_last=is_last)
 
-    def end_game(self, game: _Game, role: int, active: int | None = None) -> None:
+    def _end_game(self, game: _Game, role: int, active: int | None = None) -> None:
         """``role``'s move ended the game: every other seat served closes (but ``active``, in its turn)."""
         game.ended.add(role)
         for other in game.seats:
             if other not in game.ended and other != active:
-                self.close_seat(game, other)
+                self._close_seat(game, other)
 
-    def close_seat(self, game: _Game, role: int) -> None:
+    def _close_seat(self, game: _Game, role: int) -> None:
         """Wake ``role`` with its view of the end; its trajectory ends after one token (its reward there)."""
         game.ended.add(role)
         text = game.observe(role)
-        self.queued.append(self.wake(game, role, f"{text}\n{GAME_OVER}" if text else GAME_OVER, is_last=True))
+        self.queued.append(self._wake(game, role, f"{text}\n{GAME_OVER}" if text else GAME_OVER, is_last=True))
 
-    def abandon(self, game: _Game, role: int, active: int | None = None) -> None:
+    def _abandon(self, game: _Game, role: int, active: int | None = None) -> None:
         """The game cannot go on: it ends with reward 0 for every player."""
         game.result = [0.0] * game.game.num_players
         self.counts["games_abandoned"] += 1
-        self.end_game(game, role, active)
+        self._end_game(game, role, active)
 
     def wakes(self) -> list[Wake]:
         queued, self.queued = self.queued, []
@@ -338,7 +338,7 @@ class SelfPlayTurns(TurnHandler):
             game = self.games[g]
             if game.result is None:  # a seat left a game going on (a reset, a seat that could not load)
                 mover = game.game.to_move()  # a seat in its turn is not waiting: its turn's end gets the result
-                self.abandon(game, role, active=mover if mover in game.seats and mover in game.started else None)
+                self._abandon(game, role, active=mover if mover in game.seats and mover in game.started else None)
             if not game.seats:
                 del self.games[g]
 

@@ -1,9 +1,7 @@
-"""examples/self_play.py runs, plays both seats with per-role advantages, and imports only public names."""
+"""examples/self_play.py runs and plays both seats with per-role advantages (its imports: test_public_surface)."""
 
 from __future__ import annotations
 
-import ast
-import importlib
 import pathlib
 import runpy
 import sys
@@ -14,18 +12,11 @@ from tokengym.testing import tiny_tokenizer
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "self_play.py"
 
 
-def test_the_example_runs_and_imports_only_public_names(capsys, monkeypatch):
+def test_the_example_runs(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["self_play.py", "--batches", "1"])
     runpy.run_path(str(EXAMPLE), run_name="__main__")
     out = capsys.readouterr().out
     assert out.startswith("batch 0: 4 games") and "second seat" in out
-    imported = [(node.module, alias.name) for node in ast.walk(ast.parse(EXAMPLE.read_text()))
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tokengym")
-                for alias in node.names]  # fmt: skip
-    assert imported
-    for module, name in imported:
-        assert not any(part.startswith("_") for part in module.split(".")), f"{module} is private"
-        assert name in importlib.import_module(module).__all__, f"{name} is not public in {module}"
 
 
 def test_the_example_game_is_zero_sum_and_each_seat_sees_its_own_view():
