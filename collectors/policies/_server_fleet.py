@@ -310,9 +310,10 @@ class ServerFleet:
             if err is not None:
                 if not isinstance(err, httpx.HTTPError | OSError):
                     raise err
-                if isinstance(err, httpx.RemoteProtocolError) and sent == 1:
-                    # closed without an answer (a connection the server was closing as it was reused): not yet a
-                    # server that is down; a server that is gone refuses the next connection
+                if isinstance(err, httpx.RemoteProtocolError | httpx.ReadError) and sent == 1:
+                    # closed without an answer (a connection the server was closing as it was reused; a reset when
+                    # it closed with the request unread): not yet a server that is down; a server that is gone
+                    # refuses the next connection
                     again = server
                     continue
                 self.mark_down(server, _describe(err), moving=1)
