@@ -35,7 +35,7 @@ CONTESTANTS = {  # name -> (partial_rollouts, in_flight, publish)
     "update at the wave's end": (False, "continue", True),
     "no updates": (True, "continue", False),
 }
-_ROWS: list[tuple] = []
+_LINES: list[str] = []  # the tables, printed at the end of the module
 
 
 def _weights(model, step: int) -> dict:
@@ -68,19 +68,10 @@ def _run(tok, model, partial: bool, in_flight: str, publish: bool) -> dict:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _report(request):
+def _report(write_uncaptured):
     yield
-    if not _ROWS:
-        return
-    lines = ["", f"Partial rollouts, {datetime.date.today().isoformat()}, {platform.machine()}, torch {torch.__version__}, "
-             f"small tiny Qwen2, B=16, <= 96 new tokens, {BATCHES} batches x {ROUNDS} interleaved rounds, medians", "",
-             "| contestant | publish -> new weights, ms | tokens discarded / update | sequences interrupted / update "
-             "| generator idle / update, ms | tokens/s | ÷ no updates |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {n} | {lat * 1e3:.1f} | {d:.1f} | {it:.1f} | {idle * 1e3:.1f} | {tps:,.0f} | {r:.3f} |"
-              for n, lat, d, it, idle, tps, r in _ROWS]  # fmt: skip
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    for line in lines:
-        reporter.write_line(line) if reporter else print(line)
+    if _LINES:
+        write_uncaptured(lambda write: [write(line) for line in _LINES])
 
 
 def test_partial_rollouts_against_wave_boundary_updates():
@@ -96,16 +87,20 @@ def test_partial_rollouts_against_wave_boundary_updates():
     med = {n: {k: statistics.median(o[k] for o in outs) for k in outs[0]} for n, outs in results.items()}
     ratios = {n: statistics.median(o["tokens_per_s"] / b["tokens_per_s"] for o, b in
                                    zip(results[n], results["no updates"], strict=True)) for n in names}  # fmt: skip
+    _LINES.extend(["", f"Partial rollouts, {datetime.date.today().isoformat()}, {platform.machine()}, torch "
+                   f"{torch.__version__}, small tiny Qwen2, B=16, <= 96 new tokens, {BATCHES} batches x {ROUNDS} "
+                   "interleaved rounds, medians", "",
+                   "| contestant | publish -> new weights, ms | tokens discarded / update | sequences interrupted / "
+                   "update | generator idle / update, ms | tokens/s | ÷ no updates |", "|---|---|---|---|---|---|---|"])  # fmt: skip
     for n in names:
         m = med[n]
-        _ROWS.append((n, m["latency_s"], m["discarded"], m["interrupted"], m["idle_s"], m["tokens_per_s"], ratios[n]))
+        _LINES.append(f"| {n} | {m['latency_s'] * 1e3:.1f} | {m['discarded']:.1f} | {m['interrupted']:.1f} | "
+                      f"{m['idle_s'] * 1e3:.1f} | {m['tokens_per_s']:,.0f} | {ratios[n]:.3f} |")
     partial, boundary, drop = med["partial rollouts"], med["update at the wave's end"], med["interrupted, in_flight='drop'"]
     assert partial["discarded"] == 0 and partial["interrupted"] > 0
     assert drop["discarded"] > 0
     assert partial["latency_s"] < boundary["latency_s"]  # the update lands mid-wave, not at its end
 
-
-_TAILS: list[tuple] = []
 
 
 def _tails_run(tok, model, over: bool) -> float:
@@ -139,6 +134,5 @@ def test_over_sampling_carries_long_tails():
              "| waves | tokens/s | ÷ whole waves |", "|---|---|---|",
              f"| stop once the batch can be filled | {statistics.median(rates[True]):,.0f} | {ratio:.3f} |",
              f"| whole waves | {statistics.median(rates[False]):,.0f} | 1.000 |"]  # fmt: skip
-    _TAILS.extend(lines)
-    print("\n".join(lines))
+    _LINES.extend(lines)
     assert ratio > 0  # a measurement: the table says which way it goes

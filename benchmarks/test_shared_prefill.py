@@ -69,7 +69,7 @@ def _median_ratio(a, b) -> tuple[float, float, float]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _report(request):
+def _report(write_uncaptured):
     yield
     if not _ROWS:
         return
@@ -77,9 +77,7 @@ def _report(request):
              f"{torch.__version__}, median of {ROUNDS} interleaved rounds", "",
              "| model | P | G | case | shared ms | separate ms | shared ÷ separate |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {d} | {P} | {G} | {case} | {a * 1e3:.1f} | {b * 1e3:.1f} | {r:.3f} |" for d, P, G, case, a, b, r in _ROWS]
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    for line in lines:
-        reporter.write_line(line) if reporter else print(line)
+    write_uncaptured(lambda write: [write(line) for line in lines])
 
 
 @pytest.mark.parametrize("kind", ["small", "qwen2-151k"])

@@ -133,8 +133,7 @@ class TokenCollector(CollectorBase):
         # partial rollouts: an update from another thread interrupts the wave in progress
         self._interrupts = (self.options.partial_rollouts and self.source.kind == SourceKind.WAVE
                             and supports_interrupt(policy))  # fmt: skip
-        self._over_sampling = self.options.over_sampling
-        if self._over_sampling and (self.source.kind != SourceKind.WAVE or self.mode is not CollectMode.TRAJECTORIES):
+        if self.options.over_sampling and (self.source.kind != SourceKind.WAVE or self.mode is not CollectMode.TRAJECTORIES):
             raise ValueError(f"CollectorOptions(over_sampling=True) stops waves early to fill TRAJECTORIES batches: "
                              f"collect with mode='trajectories' and source='wave' (got mode={self.mode.value!r}, "
                              f"source={self.source.kind.value!r}), or leave over_sampling off")  # fmt: skip
@@ -186,7 +185,7 @@ class TokenCollector(CollectorBase):
         """Advance the source once and record what it produced."""
         if self._queued_weights:
             self._apply_queued_weights()
-        if self._over_sampling:  # the rows still needed to fill the batch: the wave may stop once they ended
+        if self.options.over_sampling:  # the rows still needed to fill the batch: the wave may stop once they ended
             self.source.min_finished = max(1, self.batch_size - self.recorder.num_ready)
         chunk, refilled, error = self.source.advance()
         if refilled:
@@ -250,9 +249,9 @@ class TokenCollector(CollectorBase):
     def commit_batch(self) -> None:
         """Drop the delivered batch from the recorder, and the prompts no live slot or queued trajectory holds."""
         self.recorder.commit()
-        slots = [b for b in range(self.base_env.batch_size[0]) if self.base_env.slot_prompt(b)]
-        live = [self.base_env.slot_prompt(b).group_id for b in slots]
-        trajectories = self.recorder.queued_trajectories() + [self.base_env.slot_trajectory(b) for b in slots]
+        held = [(b, p) for b in range(self.base_env.batch_size[0]) if (p := self.base_env.slot_prompt(b))]
+        live = [p.group_id for _, p in held]
+        trajectories = self.recorder.queued_trajectories() + [self.base_env.slot_trajectory(b) for b, _ in held]
         if isinstance(self.recorder, TrajectoryRecorder):
             live += self.recorder.queued_groups()
         # the trajectories still in slots keep their own prompts (a split episode's later part) for their batch

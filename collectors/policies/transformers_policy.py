@@ -346,10 +346,14 @@ class _Interrupted(StoppingCriteria):
     """Stops ``generate`` after the current token once ``event`` is set (a weight update waits)."""
 
     def __init__(self, event: threading.Event) -> None:
-        self.event = event
+        self.event, self.go_on = event, None  # go_on: the all-False answer, made once per wave
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+        if self.event.is_set():
+            return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if self.go_on is None:
+            self.go_on = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return self.go_on
 
 
 class _EnoughFinished(StoppingCriteria):
