@@ -7,6 +7,7 @@ The exceptions a collector's iteration raises beyond ``ValueError`` / ``TypeErro
 """
 
 from tokengym.collectors.async_collector import AsyncCollector
+from tokengym.collectors.branching import BranchRule, EntropyRule, Fork, SegmentRule, TreeStep, TurnRule
 from tokengym.collectors.core import CollectMode, CollectorOptions, InFlight
 from tokengym.collectors.dynamic_sampling import DynamicSampling, DynamicSamplingError
 from tokengym.collectors.policies._server_options import NoServerError
@@ -16,14 +17,20 @@ from tokengym.collectors.token_collector import TokenCollector
 
 __all__ = [
     "AsyncCollector",
+    "BranchRule",
     "CollectMode",
     "CollectorOptions",
     "DynamicSampling",
     "DynamicSamplingError",
+    "EntropyRule",
+    "Fork",
     "InFlight",
     "NoServerError",
     "RayConfig",
     "RayTokenCollector",
+    "SegmentRule",
     "SourceKind",
     "TokenCollector",
+    "TreeStep",
+    "TurnRule",
 ]

@@ -40,9 +40,11 @@ def _nested(tree: dict, batch_size: torch.Size) -> TensorDict:
 class Step(dict):
     """One env step of every slot: flat names to (B, ...) tensors (a chunk of width 1 without the
     (B, 1, ...) views, so a step source hands its tensors over as they are). ``ended``: the slots whose
-    trajectory ended in the step, when the source knows them (``None``: read from the done flags)."""
+    trajectory ended in the step, when the source knows them (``None``: read from the done flags); ``forks``: the
+    branches forked after it (:class:`~tokengym.collectors.branching.TreeSampler`)."""
 
     ended: list[int] | None = None
+    forks: list[tuple] | None = None  # trees: (parent slot, parent traj, child slot, child traj, at) made after it
 
 
 class Cells(dict):

@@ -20,6 +20,7 @@ from typing import ClassVar
 from tensordict import TensorDictBase
 
 from tokengym.collectors._metrics import collector_metrics
+from tokengym.collectors.branching import check_rule
 from tokengym.collectors.dynamic_sampling import DynamicSampling
 from tokengym.collectors.iteration import BatchIterator
 from tokengym.collectors.sinks import check_sink, write_to_sink
@@ -72,12 +73,17 @@ class CollectorOptions:
             soon as enough of its rows ended to fill the batch; the others go on in the next wave (long tails carried
             over, into the next batch) instead of holding the finished slots idle until the longest row ends. Needs a
             policy that honours ``WaveRequest.min_finished`` (``TransformersPolicy``; the others run whole waves).
+        tree: a branching rule (:class:`~tokengym.collectors.branching.SegmentRule`, ``EntropyRule``, ``TurnRule``, or
+            your own): each group is sampled as a tree whose ``group_size`` leaves fork from one another at the
+            tokens the rule picks (``mode="trajectories"``, ``source="step"``, a bare ``TokenEnv`` with
+            ``group_size >= 2``); each leaf's row holds its whole sequence, with ``keys.BRANCH_ID``,
+            ``keys.PARENT_ID`` and ``keys.FORK_INDEX`` (see :mod:`tokengym.collectors.branching`).
     """
 
     def __init__(self, *, is_last_step_only: bool = False, is_fixed_width: bool = True, is_whole_groups: bool = True,
                  in_flight: InFlight | str = InFlight.CONTINUE, use_progress_bar: bool = False,
                  dynamic_sampling: DynamicSampling | None = None, partial_rollouts: bool = True,
-                 over_sampling: bool = False) -> None:  # fmt: skip
+                 over_sampling: bool = False, tree=None) -> None:  # fmt: skip
         for name, value in (("partial_rollouts", partial_rollouts), ("over_sampling", over_sampling)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -92,6 +98,9 @@ class CollectorOptions:
         if dynamic_sampling is not None and not isinstance(dynamic_sampling, DynamicSampling):
             raise TypeError(f"dynamic_sampling must be a DynamicSampling or None, got {type(dynamic_sampling).__name__}")
         self.dynamic_sampling = dynamic_sampling
+        if tree is not None:
+            check_rule(tree)
+        self.tree = tree
 
 
 def _is_int(value) -> bool:

@@ -71,10 +71,14 @@ class StepSource:
         self.is_bare = _base(env) is env and hasattr(type(env), "ended_slots")
         self.to_refill: list[int] = []  # slots whose prompt failed to load: refilled before the next step
         self._keys = _StepKeys()
+        self.tree = None  # a TreeSampler (branching rollouts): forks after each step, before refills
 
     def start(self) -> tuple[list[int], PromptError | None]:
         """Reset every slot: ``(slots that took a prompt, error of the prompts skipped or None)``."""
         slots = list(range(self.env.batch_size[0]))
+        if self.tree is not None:
+            self.obs, roots, error = self.tree.start()
+            return roots, error
         try:
             self.obs = self.env.reset()
         except PromptError as err:
@@ -88,6 +92,8 @@ class StepSource:
         A prompt that cannot be loaded never loses the step that finished its slot: the step is
         recorded, the error returned, and the slot refilled with the next prompt on the next call.
         """
+        if self.tree is not None:
+            return self._advance_tree()
         refilled: list[int] = []
         if self.to_refill:
             slots, self.to_refill = self.to_refill, []
@@ -117,6 +123,19 @@ class StepSource:
         step.ended = ended  # the recorder needs no second look at the done flags
         return step, refilled, error
 
+    def _advance_tree(self) -> tuple[dict, list[int], PromptError | None]:
+        """One step of every slot, then the tree's forks (from live branches, or ones that ended at this step: their
+        tokens are still in their slots), then the slots no tree needs are freed and new trees start there."""
+        td = self.policy(self.obs)
+        out, obs = self.env.step_and_maybe_reset(td, refill=False)
+        nxt = out.get(_NEXT)
+        ended = self.env.ended_slots(nxt.get(keys.DONE[1]))
+        self.obs, roots, forks, error = self.tree.after_step(out, obs, ended)
+        step = self._keys.chunk(td, nxt, 1)
+        step.ended = ended
+        step.forks = forks
+        return step, roots, error
+
     def restart(self, slots: list[int]) -> None:
         """Start ``slots`` over from their prompts (in-flight work dropped)."""
         self.obs = _base(self.env).restart(slots)
@@ -126,12 +145,17 @@ class StepSource:
         return set()
 
     def state_dict(self) -> dict:
-        return {"obs": None if self.obs is None else self.obs.to_dict(), "to_refill": list(self.to_refill)}
+        out = {"obs": None if self.obs is None else self.obs.to_dict(), "to_refill": list(self.to_refill)}
+        if self.tree is not None:
+            out["tree"] = self.tree.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         obs = state["obs"]
         self.obs = None if obs is None else TensorDict(obs, self.env.batch_size)
         self.to_refill = list(state.get("to_refill", []))
+        if self.tree is not None and state.get("tree") is not None:
+            self.tree.load_state_dict(state["tree"])
 
 
 class WaveSource:

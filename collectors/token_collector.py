@@ -12,6 +12,7 @@ from tensordict import TensorDictBase
 
 from tokengym.collectors._checkpoint import collector_state, load_collector_state
 from tokengym.collectors._metrics import policy_counts
+from tokengym.collectors.branching import TreeSampler
 from tokengym.collectors.core import (
     CollectMode,
     CollectorBase,
@@ -138,6 +139,28 @@ class TokenCollector(CollectorBase):
                              f"collect with mode='trajectories' and source='wave' (got mode={self.mode.value!r}, "
                              f"source={self.source.kind.value!r}), or leave over_sampling off")  # fmt: skip
         self.recorder = self.new_recorder()
+        if self.options.tree is not None:
+            self._grow_trees(base, policy)
+
+    def _grow_trees(self, base, policy) -> None:
+        """Sample each group as a tree (``options.tree``): checks, then the step source's tree sampler."""
+        where = "CollectorOptions(tree=...) grows trees of whole groups"
+        if self.mode is not CollectMode.TRAJECTORIES or self.source.kind != SourceKind.STEP:
+            raise ValueError(f"{where}: collect with mode='trajectories' and source='step' (got mode="
+                             f"{self.mode.value!r}, source={self.source.kind.value!r})")  # fmt: skip
+        if not self.source.is_bare:
+            raise ValueError(f"{where} in a bare TokenEnv: env transforms run per step and cannot be forked; apply "
+                             "them to the batches (postproc) instead")  # fmt: skip
+        B = base.batch_size[0]
+        if self.group_size < 2 or B < self.group_size:
+            raise ValueError(f"{where}: build the env with group_size >= 2 (the leaves of a tree) and batch_size >= "
+                             f"group_size (a tree holds group_size slots); got group_size={self.group_size}, "
+                             f"batch_size={B}")  # fmt: skip
+        if base.turns.may_split:
+            raise ValueError(f"{where}: {type(base.turns).__name__} may split an episode into several trajectories, "
+                             "which a tree cannot follow")  # fmt: skip
+        self.source.tree = TreeSampler(self.options.tree, base, policy, self.group_size)
+        self.recorder.is_tree = True
 
     @property
     def version(self) -> int:
@@ -264,6 +287,8 @@ class TokenCollector(CollectorBase):
         drawn, kept, dropped for zero spread...), and the policy's own counters (a server fleet's: servers up,
         failovers, reloads, requests sent again)."""
         out = {**self.counters, **self.base_env.prompt_counts, **self.base_env.turn_metrics, **policy_counts(self.policy)}
+        if getattr(self.source, "tree", None) is not None:
+            out.update(self.source.tree.counters)
         if isinstance(self.recorder, TrajectoryRecorder):
             out.update(self.recorder.counters, waiting_trajectories=self.recorder.num_waiting)
             if self.recorder.sampling is not None:

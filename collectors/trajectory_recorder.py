@@ -90,6 +90,8 @@ class TrajectoryRecorder:
         self.held: dict[tuple[int, int], list[tuple]] = {}
         self.ready_parts = 0  # parts among the ready entries
         self.counters = {"dropped_groups": 0, "dropped_trajectories": 0}
+        self.links: dict[int, tuple[int, int]] = {}  # trees: branch trajectory -> (parent trajectory, fork step)
+        self.is_tree = False  # batches are trees' leaves: they carry the tree keys (BRANCH_ID, PARENT_ID, FORK_INDEX)
         self._peeked = 0  # ready trajectories the last peek() gave
         # single steps are kept as they come and written as one chunk when they may complete a batch (or are many):
         # every reader below writes them first (flush)
@@ -99,8 +101,10 @@ class TrajectoryRecorder:
     def write(self, chunk: dict) -> None:
         """Record k steps (B, k, ...) (or a :class:`Step`); trajectories that end are queued by group."""
         if isinstance(chunk, Step):
-            if self.deferred.add(chunk, self._could_fill):
+            if self.deferred.add(chunk, self._could_fill) or chunk.forks:
                 self.flush()
+            if chunk.forks:
+                self.fork(chunk.forks)
             return None
         self.flush()
         seg, wave = wave_rows(chunk)
@@ -203,11 +207,32 @@ class TrajectoryRecorder:
         return cell, packed
 
     def _queue_rows(self, finished: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Queue finished trajectories by their store rows (ids read from each row's first step)."""
+        """Queue finished trajectories by their store rows (ids read from each row's last step: a tree's branch
+        holds its ancestors' steps first)."""
         if self._id_columns is None:
             self._id_columns = tuple(self._packer.column(f) for f in (F_GROUP, F_TRAJ, F_SAMPLE))
-        groups, trajs, samples = (self.store.tensors[dt][finished, 0, col] for dt, col in self._id_columns)
+        last = lengths - 1
+        groups, trajs, samples = (self.store.tensors[dt][finished, last, col] for dt, col in self._id_columns)
         self._finish([self.store] * len(finished), finished, lengths, groups, trajs, samples)
+
+    def fork(self, forks: list[tuple]) -> None:
+        """Branches forked after the last step written (``(parent slot, parent traj, child slot, child traj, at)``):
+        each child's row starts as a copy of its parent's first ``at`` steps (the parent going on in its slot, or
+        ended at that step: then its row is queued), and the child's parent and fork step are kept for its batch."""
+        for p_slot, p_traj, c_slot, c_traj, at in forks:
+            src = self._row_of(p_slot, p_traj)
+            dst = int(self.row_of_slot[c_slot])
+            for v in self.store.tensors.values():
+                v[dst, :at] = v[src, :at]
+            self.links[c_traj] = (p_traj, at)
+
+    def _row_of(self, slot: int, traj: int) -> int:
+        """The store row of trajectory ``traj``: queued (it ended) or going on in ``slot``."""
+        for members in self.waiting.values():
+            for e in members:
+                if e[4] == traj and e[0] is self.store:
+                    return e[1]
+        return int(self.row_of_slot[slot])
 
     def hold_parts(self, trajs) -> None:
         """Trajectories that end as parts of an episode going on in a new trajectory (``TokenEnv.pop_parts``): held
@@ -326,14 +351,31 @@ class TrajectoryRecorder:
         out[F_MASK] = mask
         if any(e[7] for e in take):
             give_parts_their_reward(out, take, lengths)
+        if self.is_tree:
+            self._tree_columns(out, take, mask)
         version, last = out[F_VERSION], (lengths - 1)[:, None]
         out[flat_name(keys.VERSION_START)] = version[:, :1].expand_as(version).clone()
         out[flat_name(keys.VERSION_END)] = version.gather(1, last).expand_as(version).clone()
         return to_tensordict(out, mask.shape)
 
+    def _tree_columns(self, out: dict, take: list[tuple], mask: torch.Tensor) -> None:
+        """A tree's leaves: ``keys.BRANCH_ID`` the trajectory that generated each step (the steps as recorded), the
+        row's own trajectory and sample ids on every step, its parent and fork step (``keys.PARENT_ID``,
+        ``keys.FORK_INDEX``; -1 and 0 for a root)."""
+        trajs = torch.tensor([e[4] for e in take])[:, None]
+        links = [self.links.get(e[4], (-1, 0)) for e in take]
+        out[flat_name(keys.BRANCH_ID)] = out[F_TRAJ].clone()
+        out[F_TRAJ] = torch.where(mask, trajs, 0)
+        out[F_SAMPLE] = torch.where(mask, torch.tensor([e[6] for e in take])[:, None], 0)
+        out[flat_name(keys.PARENT_ID)] = torch.where(mask, torch.tensor([p for p, _ in links])[:, None], 0)
+        out[flat_name(keys.FORK_INDEX)] = torch.where(mask, torch.tensor([a for _, a in links])[:, None], 0)
+
     def commit(self) -> None:
         """Drop the trajectories :meth:`peek` gave (they were delivered); their store rows are free again."""
         take, self.ready = self.ready[: self._peeked], self.ready[self._peeked :]
+        if self.links:
+            for e in take:
+                self.links.pop(e[4], None)
         self.free += [e[1] for e in take if e[0] is self.store]
         parts = sum(e[7] for e in take) if self.ready_parts else 0
         self.ready_parts -= parts
@@ -384,6 +426,7 @@ class TrajectoryRecorder:
         return {"live": live, "queued": queued, "entries": [list(e[2:]) for e in entries],
                 "num_ready": len(self.ready), "num_waiting": len(entries) - len(self.ready) - self.num_held,
                 "parts": sorted(self.parts), "counters": dict(self.counters),
+                "links": [[c, p, a] for c, (p, a) in self.links.items()],
                 "sampling": None if self.sampling is None else self.sampling.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -409,6 +452,7 @@ class TrajectoryRecorder:
         for e in entries[n_ready + n_waiting :]:
             self.held.setdefault((e[3], e[6]), []).append(e)
         self.parts = set(state.get("parts", []))
+        self.links = {int(c): (int(p), int(a)) for c, p, a in state.get("links", [])}
         self.ready_parts = sum(bool(e[7]) for e in self.ready)
         self.counters.update(state.get("counters", {}))
         if self.sampling is not None and state.get("sampling") is not None:

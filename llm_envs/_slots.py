@@ -201,6 +201,39 @@ class Slots:
         if self.waiting or self.closing:
             self._forget_waits([b])
 
+    # -- trees: a slot's sequence copied into free slots --
+    def fork(self, parent: int, children: list[int], length: int, steps: int, samples: list[int]) -> list[int]:
+        """Copy ``parent``'s first ``length`` tokens (``steps`` of them generated: its response length there) into
+        the free slots ``children``, each a new trajectory (and episode) with sample id ``samples[i]``; the rest of
+        its state (prompt, turn, group) as the parent's. Returns the children's trajectory ids."""
+        self.copy_on_write()
+        rows = torch.tensor(children, dtype=torch.int64)
+        self.tokens[rows, :length] = self.tokens[parent, :length]
+        if self.log_probs is not None:
+            self.log_probs[rows, :length] = self.log_probs[parent, :length]
+        trajs = list(range(self.next_traj, self.next_traj + len(children)))
+        self.next_traj += len(children)
+        columns = self.table[:, parent, None].repeat(1, len(children))
+        at = {key: i for i, key in enumerate(_INT_KEYS)}
+        columns[at[keys.TOKEN]] = self.tokens[parent, length - 1]
+        columns[at[keys.SEQ_LEN]] = length
+        columns[at[keys.RESPONSE_LEN]] = steps
+        columns[at[keys.TRAJ_ID]] = torch.tensor(trajs)
+        columns[at[keys.SAMPLE_ID]] = torch.tensor(samples)
+        self.table[:, rows] = columns  # live: copy_on_write stacked it
+        self.state[keys.ACTIVE][rows] = True
+        self.done[rows] = False
+        prompt = self.prompts[parent]
+        cap = self.closing.get(parent)
+        for b, sample in zip(children, samples, strict=True):
+            self.prompts[b] = dataclasses.replace(prompt, sample_id=sample)
+            self.episodes[b] = self.new_episode()
+            self.closing.pop(b, None)
+            if cap is not None and length == int(self.state[keys.SEQ_LEN][parent]):
+                self.closing[b] = cap
+        self.any_done = bool(self.done.any())
+        return trajs
+
     # -- waiting slots (a turn handler holds them while other slots move) --
     def hold(self, rows: list[int]) -> None:
         """Slots whose turn ended wait: inactive (no steps), holding their tokens and lengths, until woken."""

@@ -33,6 +33,9 @@ REWARD_RAW / REWARD_KL     float32  (B, 1)      task reward before KL shaping / 
 REF_LOG_PROB               float32  (B,)        reference-model log-prob of the action
 KL                         float32  (B,)        per-token KL estimate
 MASK                       bool     (B,)        collector: valid step (padding is False)
+PARENT_ID                  int64    (B,)        trees: the trajectory a branch forked from (-1: a root)
+FORK_INDEX                 int64    (B,)        trees: the step where a branch left its parent (0: a root)
+BRANCH_ID                  int64    (B,)        trees: the trajectory that generated the step's token
 =========================  =======  ==========  =============================================
 """
 
@@ -83,6 +86,11 @@ LOGITS = "logits"  # float32 (N, T, V) per-step logits written by SequenceActor
 PROMPTS = ("collector", "prompts")
 VERSION_START = ("collector", "version_start")  # int64 (N, T) policy version of the trajectory's first token
 VERSION_END = ("collector", "version_end")  # int64 (N, T) policy version of its last token
+
+# -- trees (branching rollouts): a leaf's row holds its whole sequence; the steps before its fork are its ancestors' --
+PARENT_ID = "parent_id"  # int64 (N, T) per row: the trajectory the leaf forked from (-1: the tree's root)
+FORK_INDEX = "fork_index"  # int64 (N, T) per row: the step where it left its parent (its steps before it are copies)
+BRANCH_ID = "branch_id"  # int64 (N, T) per step: the trajectory that generated the step's token (shared steps: an ancestor's)
 
 # -- sequence-level (padded) layout, batch (N,) over sequences, L positions --
 # TorchRL's LLM layout (``torchrl.objectives.llm.GRPOLoss`` reads these by default)

@@ -187,6 +187,12 @@ class PromptSource:
         self._sample += 1
         return Prompt(ids, text, meta, index, self._group - 1, self._sample - 1, messages)
 
+    def end_group(self) -> None:
+        """The group being drawn gives no more samples: the next draw is the next prompt's first sample (a tree
+        samples its prompt once, as its root; its other samples are branches forked from it)."""
+        if self._current is not None:
+            self._sample = self.group_size
+
     def shard(self, index: int, num_shards: int) -> PromptSource:
         """Keep only the groups whose id ``g`` has ``g % num_shards == index`` (in place; returns ``self``).
 

@@ -12,7 +12,7 @@ from torchrl.envs import EnvBase
 from tokengym.llm_envs import keys
 from tokengym.llm_envs._decode import ResponseDecoder
 from tokengym.llm_envs._env_checks import check_budget, check_env_args, check_int, context_limit, eos_ids
-from tokengym.llm_envs._loading import PromptLoader
+from tokengym.llm_envs._loading import PromptLoader, overrides
 from tokengym.llm_envs._slots import Slots
 from tokengym.llm_envs._step_core import StepCore
 from tokengym.llm_envs._stop import StopChecker
@@ -362,16 +362,102 @@ class TokenEnv(EnvBase):
         tokens so far are dropped: e.g. in-flight work after a weight update). Returns the observation."""
         return self._loader.restart(self.turns, list(slots))
 
+    # -- trees --
+    def fork(self, slot: int, into: Sequence[int], *, at: int | None = None,
+             sample_ids: Sequence[int] | None = None) -> list[int]:  # fmt: skip
+        """Continue copies of ``slot``'s sequence in the free slots ``into`` (a tree's branches); returns their new
+        trajectory ids.
+
+        Each branch gets the slot's tokens up to step ``at`` (a number of generated tokens of its trajectory; default:
+        all of them), its lengths, turn, budgets, prompt and group, a new trajectory and episode id and sample id
+        ``sample_ids[i]`` (default: the slot's). ``at`` may lie anywhere in the slot's current turn; a slot whose
+        episode ended at the last step (done, not yet refilled) forks at an earlier step only. The turn handler's
+        :meth:`~tokengym.llm_envs.turns.TurnHandler.fork` copies its per-episode state (an agent program's env
+        refuses: a running program cannot be copied). A free slot is an idle one, or one whose episode ended at the
+        last step (its trajectory is recorded; a refill would replace it anyway). Budgets count per trajectory: a
+        branch may generate ``max_new_tokens`` less its ``at`` steps.
+
+        Example:
+            >>> from tokengym.testing import tiny_tokenizer
+            >>> tok = tiny_tokenizer()
+            >>> env = TokenEnv(["1+1="], tok, batch_size=2, max_new_tokens=8, max_length=32)
+            >>> td = env.reset()
+            >>> td = env.step(td.set("action", torch.tensor([40, 41])))["next"]
+            >>> obs = env.vacate([1])  # slot 1 idles: a branch goes there
+            >>> env.fork(0, [1])  # trajectory 2 continues a copy of slot 0
+            [2]
+            >>> env.history(1).tolist() == env.history(0).tolist()
+            True
+        """
+        slots, s = self._slots, self._slots.state
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise TypeError(f"slot must be an int (a slot index), got {slot!r}")
+        if not 0 <= slot < self.batch_size[0] or slots.prompts[slot] is None:
+            raise ValueError(f"slot {slot} holds no trajectory to fork (an idle slot, or outside the {self.batch_size[0]} "
+                             "slots)")  # fmt: skip
+        if slot in slots.waiting:
+            raise ValueError(f"slot {slot} is waiting for its turn handler; fork it once it is woken")
+        into = [int(b) for b in into]
+        busy = [b for b in into if b == slot or not 0 <= b < self.batch_size[0] or b in slots.waiting
+                or (slots.prompts[b] is not None and not bool(slots.done[b]))]  # fmt: skip
+        if busy or len(set(into)) != len(into):
+            raise ValueError(f"fork into {into}: slots {busy or into} are not free (each must be an idle slot, or one "
+                             "whose episode ended at the last step, once, and not the forked slot); vacate() frees "
+                             "slots")  # fmt: skip
+        resp, seq, start = (int(s[k][slot]) for k in (keys.RESPONSE_LEN, keys.SEQ_LEN, keys.PROMPT_LEN))
+        is_done = bool(slots.done[slot])
+        at = resp if at is None else at
+        first = resp - (seq - start)  # the step where the slot's current turn began
+        if isinstance(at, bool) or not isinstance(at, int) or not first <= at <= resp - is_done:
+            raise ValueError(f"slot {slot} forks at a step in [{first}, {resp - is_done}] (its current turn"
+                             f"{'; it ended: before its last step' if is_done else ''}), got at={at!r}")  # fmt: skip
+        samples = [int(s[keys.SAMPLE_ID][slot])] * len(into) if sample_ids is None else [int(i) for i in sample_ids]
+        if len(samples) != len(into):
+            raise ValueError(f"sample_ids has {len(samples)} ids for {len(into)} slots")
+        if not into:
+            return []
+        self._release(into)
+        parent = self.held_episode(slot)
+        trajs = slots.fork(slot, into, seq - (resp - at), at, samples)
+        if overrides(self.turns, "fork"):
+            for b in into:
+                self.turns.fork(parent, self.held_episode(b))
+        return trajs
+
+    def vacate(self, slots: Iterable[int]) -> TensorDictBase:
+        """Empty ``slots`` without loading a prompt (they idle until a refill or a fork); returns the observation.
+        What they held is dropped: an episode that ended is recorded by then, one in flight is lost."""
+        rows = [int(b) for b in slots]
+        self._slots.copy_on_write()
+        self._release(rows)
+        for b in rows:
+            self._slots.idle(b, is_done=False)
+        self._slots.is_reset = True
+        return self._slots.reset_observation()
+
+    def observation(self) -> TensorDictBase:
+        """Every slot's observation now (after :meth:`fork`: the branches are live, not done)."""
+        return self._slots.reset_observation()
+
+    def _release(self, rows: list[int]) -> None:
+        """Tell a listening turn handler that the episodes ``rows`` held are let go."""
+        if overrides(self.turns, "release"):
+            dropped = [h for b in rows if (h := self.held_episode(b)) is not None]
+            if dropped:
+                self.turns.release(dropped)
+
     # -- step --
-    def step_and_maybe_reset(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
+    def step_and_maybe_reset(self, tensordict: TensorDictBase, *,
+                             refill: bool = True) -> tuple[TensorDictBase, TensorDictBase]:  # fmt: skip
         """One token per slot, then refill the slots that finished: ``(tensordict with "next", next obs)``.
 
         Same contract as TorchRL's ``EnvBase.step_and_maybe_reset`` without its generic spec checks
-        (the env validates the action itself), so a collector's per-step cost stays small.
+        (the env validates the action itself), so a collector's per-step cost stays small. ``refill=False``: the
+        finished slots stay done (a tree forks from them first; then :meth:`refill` or :meth:`vacate` them).
         """
         nxt = self._step(tensordict)
         tensordict.set(keys.NEXT, nxt)
-        if self._slots.any_done:
+        if self._slots.any_done and refill:
             try:
                 return tensordict, self.refill(self._slots.done_slots)
             except PromptError as err:

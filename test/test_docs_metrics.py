@@ -25,6 +25,7 @@ from tokengym.collectors import (
     RayTokenCollector,
     TokenCollector,
 )
+from tokengym.collectors.branching import SegmentRule
 from tokengym.collectors.policies import SequenceActor, TransformersPolicy
 from tokengym.evaluation import evaluate
 from tokengym.llm_envs import MathAnswerReward, PromptSource, TokenEnv
@@ -100,6 +101,9 @@ def written() -> dict[str, set[str]]:
     options = CollectorOptions(dynamic_sampling=DynamicSampling())
     run(TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=4, options=options,
                        source="wave", postproc=MismatchCorrection("truncate", trainer=SequenceActor(model).log_prob)))  # fmt: skip
+    env = _env(tok, model)
+    run(TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=4,
+                       options=CollectorOptions(tree=SegmentRule(1, 2))))  # fmt: skip
     env = _env(tok, model)
     inner = TokenCollector(env, TransformersPolicy(copy.deepcopy(model), env), mode="trajectories", batch_size=4,
                            postproc=ZeroStdGroupFilter())  # fmt: skip

@@ -251,6 +251,22 @@ class SlotKVCache:
         self.length[dst] = upto
         self.first[dst] = self._base + C - upto
 
+    def fork(self, src: list[int], dst: list[int], lengths: list[int], trajs: list[int]) -> None:
+        """Rows ``dst`` continue copies of rows ``src`` as trajectories ``trajs`` (a tree's branches), whose sequences
+        are ``lengths`` tokens long: each copies its parent's first ``length - 1`` cached tokens (what a live slot
+        caches; fewer when the parent's row holds fewer) and the next :meth:`sync` prefills only what is missing.
+        A parent row that caches another trajectory (not synced yet) gives nothing: the branch is prefilled."""
+        pairs = [(a, b, n - 1, t) for a, b, n, t in zip(src, dst, lengths, trajs, strict=True)
+                 if int(self.length[a]) > 0]  # fmt: skip
+        if pairs:
+            a, b, n, t = (torch.tensor(side, dtype=torch.int64) for side in zip(*pairs, strict=True))
+            self.copy_rows(a, b, torch.minimum(n, self.length[a]))
+            self.traj[b] = t
+        copied = {p[1] for p in pairs}
+        for b in dst:
+            if b not in copied:
+                self.length[b] = 0
+
     def _resize(self, keep: int) -> None:
         """Make the cache ``keep`` columns wide: drop the first columns (a view) or prepend holes (a copy)."""
         drop = self.columns - keep

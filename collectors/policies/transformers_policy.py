@@ -153,6 +153,12 @@ class TransformersPolicy(TensorDictModuleBase):
             tensordict.set(keys.RAW_LOG_PROB, raw)
         return tensordict
 
+    def fork(self, parents: list[int], children: list[int], lengths: list[int], trajs: list[int]) -> None:
+        """Slots ``children`` continue copies of ``parents``' sequences (``lengths`` tokens) as trajectories ``trajs``
+        (:meth:`~tokengym.llm_envs.TokenEnv.fork`, a tree's branches): their KV cache rows are copied from the
+        parents' rows up to the fork (:meth:`SlotKVCache.copy_rows`), no forward; call it before the next step."""
+        self.cache.fork(parents, children, lengths, trajs)
+
     def _check_placement(self) -> None:
         weight = getattr(self._embedding, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.device == self.cache.device:

@@ -1,0 +1,352 @@
+"""Branching rollouts: a group's samples grown as a tree, forked from one another at chosen tokens.
+
+A tree is a group: its root is the group's prompt, sampled once; a *branch* continues a copy of another branch's
+sequence from one of its tokens (:meth:`~tokengym.llm_envs.TokenEnv.fork`: tokens, lengths, turn state and ids
+copied into a free slot; :meth:`TransformersPolicy.fork` copies the KV cache rows, no forward). Every branch ends as
+a *leaf*: a trajectory of the group, whose batch row holds its whole sequence from the prompt (its steps before the
+fork are its ancestors', ``keys.BRANCH_ID`` says whose). A tree has exactly ``group_size`` leaves, so batches hold
+whole groups as they always do and the group advantages, dynamic sampling and evaluation work unchanged;
+:class:`~tokengym.transforms.TreeAdvantage` uses the tree.
+
+Where a tree forks is a *branching rule*, a small object with one method (:class:`BranchRule`): given what the tree's
+branches did at the last step (:class:`TreeStep`), the forks to make now (:class:`Fork`). Three are here:
+
+- :class:`SegmentRule` (TreePO): every ``length`` tokens each live branch forks into ``width``;
+- :class:`EntropyRule` (TreeRL's EPTree): ``chains`` independent chains, then each finished chain forks at its
+  ``forks`` most uncertain tokens;
+- :class:`TurnRule` (Tree-GRPO): at each turn boundary of a multi-turn episode, each branch forks into ``width``.
+
+What the sampler guarantees whatever the rule says: a tree never has more than ``group_size`` leaves (forks past the
+budget are skipped, counted in ``tree_forks_skipped``), and a tree whose branches have all ended with fewer leaves
+(a rule that gives fewer, or branches that ended before a planned fork) gets the rest as fresh samples of its prompt
+(forks at step 0, sharing only the prompt: plain GRPO samples), counted in ``tree_leaves_from_prompt``. Each tree
+holds ``group_size`` slots from its root to its last leaf, so ``batch_size // group_size`` trees grow at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from tokengym.llm_envs import keys
+from tokengym.llm_envs.errors import PromptError
+
+__all__ = ["BranchRule", "EntropyRule", "Fork", "SegmentRule", "TreeSampler", "TreeStep", "TurnRule"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fork:
+    """Fork the branch in ``slot`` at its step ``at`` (its generated tokens before the fork) into ``branches`` new
+    branches; the branch itself goes on (or stays ended)."""
+
+    slot: int
+    at: int
+    branches: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeStep:
+    """What a rule is shown after each env step: the branches of growing trees.
+
+    Attributes:
+        slots: slots holding a branch that took this step (live, or ended at it).
+        steps: each slot's generated tokens so far (``keys.RESPONSE_LEN``), by slot.
+        ended: slots whose branch ended at this step (their tokens are still there: a fork at an earlier step works).
+        turn_ended: slots whose turn ended at this step and whose episode goes on (a turn boundary).
+        budget: leaves the slot's tree may still add, by slot.
+        depth: forks between the root and the slot's branch (0: the root, or a chain forked at step 0), by slot.
+        roots: slots holding their tree's root (its first branch, drawn from the prompt source).
+        surprise: by slot, the ``-log p`` of each token the branch sampled (its steps ``0 .. steps - 1``), when the
+            rule asks for it (``needs_surprise``).
+    """
+
+    slots: list[int]
+    steps: dict[int, int]
+    ended: set[int]
+    turn_ended: set[int]
+    budget: dict[int, int]
+    depth: dict[int, int]
+    roots: set[int] = dataclasses.field(default_factory=set)
+    surprise: dict[int, torch.Tensor] | None = None
+
+
+class BranchRule(Protocol):
+    """Where a tree forks. ``needs_surprise``: the rule reads :attr:`TreeStep.surprise`."""
+
+    needs_surprise: bool
+
+    def forks(self, step: TreeStep) -> list[Fork]:
+        """The forks to make after this step."""
+
+
+class SegmentRule:
+    """TreePO's segments: each live branch that has just generated a multiple of ``length`` tokens forks at its
+    current token into ``width`` branches (itself and ``width - 1`` new ones), while its tree has leaves left.
+
+    With ``length=32, width=2`` and 8 leaves, a tree forks at tokens 32 (1 -> 2 branches), 64 (-> 4) and 96 (-> 8):
+    the leaves share their first 32 to 96 tokens. A branch that ends before the next boundary forks no more.
+
+    Example:
+        >>> SegmentRule(2, 2).forks(TreeStep([0, 1], {0: 2, 1: 3}, set(), set(), {0: 3, 1: 3}, {0: 0, 1: 0}))
+        [Fork(slot=0, at=2, branches=1)]
+    """
+
+    needs_surprise = False
+
+    def __init__(self, length: int = 32, width: int = 2) -> None:
+        _check_positive("length", length)
+        _check_positive("width", width, low=2)
+        self.length, self.width = length, width
+
+    def forks(self, step: TreeStep) -> list[Fork]:
+        return [Fork(b, step.steps[b], self.width - 1) for b in step.slots
+                if b not in step.ended and step.steps[b] % self.length == 0]  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"SegmentRule(length={self.length}, width={self.width})"
+
+
+class EntropyRule:
+    """TreeRL's entropy-guided tree (EPTree), one iteration: the root forks at step 0 into ``chains`` independent
+    chains (``chains - 1`` new ones); when a chain ends, it forks at its ``forks`` most uncertain tokens, one new
+    branch each, which re-sample that token and go on (they fork no more).
+
+    Uncertainty is the sampled token's surprise ``-log p`` under the sampling distribution (``action_log_prob``): a
+    one-sample estimate of the entropy at that step (its expectation is the entropy), the same on every backend (vLLM
+    returns only top-k log-probs, so the full entropy is not available there). The first ``skip`` tokens and the
+    last one are never fork points, nor a token another fork took.
+
+    ``chains=None`` gives ``max(1, group_size // 4)`` chains, ``forks=None`` shares the rest of the leaves among
+    them (``(group_size - chains) // chains`` each; 8 leaves: 2 chains forking at 3 tokens each). TreeRL's own
+    defaults (6 chains, 2 forks of 1 branch, 1 iteration: 18 leaves) are ``EntropyRule(chains=6, forks=2)`` with
+    ``group_size=18``.
+    """
+
+    needs_surprise = True
+
+    def __init__(self, chains: int | None = None, forks: int | None = None, *, skip: int = 1) -> None:
+        if chains is not None:
+            _check_positive("chains", chains)
+        if forks is not None:
+            _check_positive("forks", forks)
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise ValueError(f"skip must be an int >= 0 (tokens at the start that are never fork points), got {skip!r}")
+        self.chains, self.per_chain, self.skip = chains, forks, skip
+        self.group_size = 0  # set by the sampler
+
+    def _sizes(self) -> tuple[int, int]:
+        chains = self.chains or max(1, self.group_size // 4)
+        return chains, self.per_chain or max(0, (self.group_size - chains) // chains)
+
+    def forks(self, step: TreeStep) -> list[Fork]:
+        chains, per_chain = self._sizes()
+        out = []
+        for b in step.slots:
+            if step.depth[b] > 0:
+                continue
+            if b in step.roots and step.steps[b] == 1 and chains > 1 and b not in step.ended:
+                out.append(Fork(b, 0, min(chains - 1, step.budget[b])))  # the root's chains: share the prompt only
+            if b in step.ended and per_chain and step.steps[b] > self.skip + 1:
+                surprise = step.surprise[b][self.skip : step.steps[b] - 1]
+                top = torch.topk(surprise, min(per_chain, surprise.numel())).indices + self.skip
+                out += [Fork(b, int(t), 1) for t in sorted(top.tolist())]
+        return out
+
+    def __repr__(self) -> str:
+        return f"EntropyRule(chains={self.chains}, forks={self.per_chain}, skip={self.skip})"
+
+
+class TurnRule:
+    """Tree-GRPO's agent-step trees: each branch whose turn ends and whose episode goes on forks there, at its turn
+    boundary, into ``width`` branches (the feedback is copied with it), while its tree has leaves left."""
+
+    needs_surprise = False
+
+    def __init__(self, width: int = 2) -> None:
+        _check_positive("width", width, low=2)
+        self.width = width
+
+    def forks(self, step: TreeStep) -> list[Fork]:
+        return [Fork(b, step.steps[b], self.width - 1) for b in step.slots if b in step.turn_ended]
+
+    def __repr__(self) -> str:
+        return f"TurnRule(width={self.width})"
+
+
+def _check_positive(name: str, value, *, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def check_rule(rule) -> None:
+    """``TypeError`` for something that is not a branching rule."""
+    if not callable(getattr(rule, "forks", None)) or not isinstance(getattr(rule, "needs_surprise", None), bool):
+        raise TypeError(f"tree must be a branching rule (SegmentRule, EntropyRule, TurnRule, or an object with "
+                        f"forks(TreeStep) -> list[Fork] and a bool needs_surprise), got {type(rule).__name__}")  # fmt: skip
+
+
+class TreeSampler:
+    """Grows ``group_size``-leaf trees in a token env's slots, driven by a step source: after each env step (before
+    the finished slots are refilled) :meth:`after_step` makes the rule's forks, fills trees whose branches all ended
+    with fresh samples of their prompt, frees the slots of complete trees and starts new trees there.
+
+    Args:
+        rule: a :class:`BranchRule`.
+        env: the bare ``TokenEnv``.
+        policy: the stepping policy; its ``fork`` (``TransformersPolicy``) copies KV cache rows, else branches are
+            prefilled at their first step.
+        group_size: leaves per tree.
+    """
+
+    def __init__(self, rule, env, policy, group_size: int) -> None:
+        check_rule(rule)
+        self.rule, self.env, self.policy, self.group_size = rule, env, policy, group_size
+        if hasattr(rule, "group_size"):
+            rule.group_size = group_size
+        B = env.batch_size[0]
+        self.tree_of = [-1] * B  # the group whose tree reserves each slot (-1: free)
+        self.live: dict[int, set[int]] = {}  # group -> slots of its live branches
+        self.leaves: dict[int, int] = {}  # group -> leaves (branches) made so far
+        self.roots: dict[int, int] = {}  # group -> the slot of its root branch (while it is live)
+        self.depth = [0] * B  # forks between the root and each slot's branch
+        self.surprise = torch.zeros(B, env.max_new_tokens) if rule.needs_surprise else None
+        self.counters = {"tree_forks": 0, "tree_forks_skipped": 0, "tree_leaves_from_prompt": 0, "trees_started": 0}
+
+    # -- starting trees --
+    def start(self):
+        """Free every slot and start as many trees as fit; ``(observation, root slots, error or None)``."""
+        B = self.env.batch_size[0]
+        obs = self.env.vacate(range(B))
+        return self._admit(obs)
+
+    def _admit(self, obs):
+        """Start trees in free slots, ``group_size`` at a time: a root drawn into the first."""
+        roots: list[int] = []
+        error = None
+        while True:
+            free = [b for b, g in enumerate(self.tree_of) if g == -1]
+            if len(free) < self.group_size or self.env.source.is_exhausted:
+                return obs, roots, error
+            b = free[0]
+            try:
+                obs = self.env.refill([b])
+            except PromptError as err:  # the slot idles; the next prompt is tried at once
+                obs, error = self.env.vacate([b]), err
+                continue
+            prompt = self.env.slot_prompt(b)
+            if prompt is None:  # the source ran out
+                return obs, roots, error
+            self.env.source.end_group()  # the tree's other samples are its branches
+            group = prompt.group_id
+            for r in free[: self.group_size]:
+                self.tree_of[r] = group
+            self.live[group], self.leaves[group], self.roots[group] = {b}, 1, b
+            self.depth[b] = 0
+            roots.append(b)
+            self.counters["trees_started"] += 1
+
+    # -- after a step --
+    def after_step(self, td, obs, ended: list[int]):
+        """Make the forks of this step (``td``: the step with its ``"next"``; ``obs``: the observation after it;
+        ``ended``: slots done at it), then free and refill; ``(observation, new roots, forks, error or None)``
+        where ``forks`` lists
+        ``(parent slot, parent trajectory, child slot, child trajectory, at)`` for the recorder."""
+        env = self.env
+        nxt = td.get(keys.NEXT)
+        steps_t = nxt.get(keys.RESPONSE_LEN)
+        active = td.get(keys.ACTIVE)
+        if self.surprise is not None:
+            rows = active.nonzero().squeeze(-1)
+            at = (steps_t[rows] - 1).clamp(min=0, max=self.surprise.shape[1] - 1)
+            self.surprise[rows, at] = -td.get(keys.ACTION_LOG_PROB)[rows].float()
+        ended_set = set(ended)
+        slots = [b for b in active.nonzero().squeeze(-1).tolist() if self.tree_of[b] != -1]
+        turn_ended = set()
+        if self.env.max_turns > 1:
+            moved = (nxt.get(keys.TURN) != td.get(keys.TURN)) & active
+            turn_ended = {b for b in moved.nonzero().squeeze(-1).tolist() if b not in ended_set}
+        steps = {b: int(steps_t[b]) for b in slots}
+        budget = {b: self.group_size - self.leaves[self.tree_of[b]] for b in slots}
+        view = TreeStep(slots, steps, ended_set, turn_ended, budget, {b: self.depth[b] for b in slots},
+                        {b for b in slots if self.roots.get(self.tree_of[b]) == b},
+                        None if self.surprise is None else {b: self.surprise[b] for b in slots})  # fmt: skip
+        forks: list[tuple] = []
+        changed = bool(ended)
+        for fork in self.rule.forks(view) if slots else []:
+            forks += self._fork(fork, ended_set)
+        for b in ended:  # ended branches leave their trees' live sets
+            group = self.tree_of[b]
+            if group != -1:
+                self.live[group].discard(b)
+                if self.roots.get(group) == b:
+                    del self.roots[group]
+        for b in ended:  # a tree whose branches all ended: the rest of its leaves from the prompt, then done
+            group = self.tree_of[b]
+            if group == -1 or self.live[group]:
+                continue
+            missing = self.group_size - self.leaves[group]
+            if missing > 0:
+                self.counters["tree_leaves_from_prompt"] += missing
+                forks += self._fork(Fork(b, 0, missing), ended_set, count=False)
+            if not self.live[group]:
+                self._finish(group)
+        if not (forks or changed):
+            return obs, [], forks, None
+        vacant = [b for b in ended if self.tree_of[b] == -1 or b not in self.live[self.tree_of[b]]]
+        obs = env.vacate(vacant) if vacant else env.observation()
+        obs, roots, error = self._admit(obs)
+        return obs, roots, forks, error
+
+    def _fork(self, fork: Fork, ended: set[int], *, count: bool = True) -> list[tuple]:
+        group = self.tree_of[fork.slot] if 0 <= fork.slot < len(self.tree_of) else -1
+        if group == -1 or not isinstance(fork, Fork):
+            raise ValueError(f"the branching rule asked for {fork!r}: a Fork of a slot that holds a tree's branch")
+        room = self.group_size - self.leaves[group]
+        free = [b for b, g in enumerate(self.tree_of) if g == group and b not in self.live[group] and b != fork.slot
+                and (b not in ended or b != fork.slot)]  # fmt: skip
+        n = min(fork.branches, room, len(free))
+        if count:
+            self.counters["tree_forks_skipped"] += fork.branches - n
+        if n <= 0:
+            return []
+        children = free[:n]
+        parent_traj = self.env.slot_trajectory(fork.slot)
+        first = self.leaves[group]
+        trajs = self.env.fork(fork.slot, children, at=fork.at, sample_ids=list(range(first, first + n)))
+        length = int(self.env.history(children[0]).numel())
+        policy_fork = getattr(self.policy, "fork", None)
+        if callable(policy_fork):
+            policy_fork([fork.slot] * n, children, [length] * n, trajs)
+        if self.surprise is not None:
+            self.surprise[children, : fork.at] = self.surprise[fork.slot, : fork.at]
+        for c in children:
+            self.depth[c] = self.depth[fork.slot] + (fork.at > 0)
+        self.leaves[group] += n
+        self.live[group].update(children)
+        self.counters["tree_forks"] += n
+        return [(fork.slot, parent_traj, c, t, fork.at) for c, t in zip(children, trajs, strict=True)]
+
+    def _finish(self, group: int) -> None:
+        for b, g in enumerate(self.tree_of):
+            if g == group:
+                self.tree_of[b] = -1
+        del self.live[group], self.leaves[group]
+        self.roots.pop(group, None)
+
+    # -- checkpoints --
+    def state_dict(self) -> dict:
+        return {"tree_of": list(self.tree_of), "live": {str(g): sorted(s) for g, s in self.live.items()},
+                "leaves": {str(g): n for g, n in self.leaves.items()}, "depth": list(self.depth),
+                "roots": {str(g): b for g, b in self.roots.items()},
+                "surprise": None if self.surprise is None else self.surprise.clone(), "counters": dict(self.counters)}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tree_of, self.depth = list(state["tree_of"]), list(state["depth"])
+        self.live = {int(g): set(s) for g, s in state["live"].items()}
+        self.leaves = {int(g): int(n) for g, n in state["leaves"].items()}
+        self.roots = {int(g): int(b) for g, b in state.get("roots", {}).items()}
+        if self.surprise is not None and state.get("surprise") is not None:
+            self.surprise = state["surprise"].clone()
+        self.counters.update(state.get("counters", {}))
