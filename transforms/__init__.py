@@ -50,6 +50,7 @@ from tokengym.transforms.sequences import (
 )
 from tokengym.transforms.shared_prefix import SharedPrefixLayout, to_shared_prefix
 from tokengym.transforms.trajectories import split_trajectories
+from tokengym.transforms.tree_advantages import TreeAdvantage, tree_leaf_counts
 from tokengym.transforms.turn_discount import TurnDiscount
 from tokengym.transforms.weighted_loss import LossAggregation, WeightedLoss
 
@@ -82,6 +83,7 @@ __all__ = [
     "RoleAdvantage",
     "OverlongPenalty",
     "ScaleReward",
+    "TreeAdvantage",
     "TurnDiscount",
     "WeightedLoss",
     "ZeroStdGroupFilter",
@@ -106,4 +108,5 @@ __all__ = [
     "to_packed",
     "to_shared_prefix",
     "to_padded",
+    "tree_leaf_counts",
 ]
