@@ -2,7 +2,8 @@
 
 Plain Python (no Ray import): :mod:`tokengym.collectors.ray_collector` makes :class:`CollectorWorker`
 an actor and sends ``next_batch`` / ``state_dict`` / ``load_state_dict`` / ``set_seed`` to its
-single-thread ``collect`` concurrency group.
+single-thread ``collect`` concurrency group; ``update_policy_weights_`` and ``info`` run on the actor's
+default group, another thread, while a batch is being collected.
 """
 
 from __future__ import annotations
@@ -131,8 +132,11 @@ class CollectorWorker:
     """A TokenCollector over shard ``index`` of the prompt stream, in a Ray actor.
 
     Collection (and everything touching the collector's state) runs in the single-thread
-    ``collect`` group; weight updates arrive on another thread and are applied by the collector at
-    its next step boundary. Trajectory ids are made global: ``local * num_workers + index``.
+    ``collect`` group; weight updates arrive on another thread (the default group) and are queued, as a
+    trainer thread's update is for a :class:`TokenCollector` iterated elsewhere: the collector applies them at
+    its next step boundary and, with partial rollouts (a wave source and a policy with an ``interrupt``), stops
+    the wave in progress first; its rows go on under the new weights, every token keeps the version that
+    produced it. Trajectory ids are made global: ``local * num_workers + index``.
     """
 
     def __init__(self, spec: WorkerSpec, index: int, seed: int, env_seed: int | None, weights, version: int,
@@ -210,6 +214,10 @@ class CollectorWorker:
         n, i = self.num_workers, self.index
         traj = batch.get(keys.TRAJ_ID)
         batch.set(keys.TRAJ_ID, traj * n + i)
+        for key in (keys.BRANCH_ID, keys.PARENT_ID):  # trees: the ids of a leaf's ancestors, mapped the same way
+            ids = batch.get(key, None)
+            if ids is not None:
+                batch.set(key, torch.where(ids >= 0, ids * n + i, ids))
         table = batch.get_non_tensor(keys.PROMPTS)
         out = table.subset(table.group_ids())
         for t in table.traj_ids():
@@ -220,7 +228,9 @@ class CollectorWorker:
         return batch
 
     def update_policy_weights_(self, weights, version: int) -> int:
-        """Queue new weights (applied at the collector's next step boundary); returns the version they give."""
+        """Queue new weights (applied at the collector's next step boundary; a wave in progress is interrupted when
+        the collector has partial rollouts on); returns the version they give. Runs while ``next_batch`` runs: the
+        collector's iterating thread is the ``collect`` group's, this call another."""
         with self.lock:
             expected = self.collector.update_policy_weights_(None if weights is None else unpack_weights(weights))
         if expected != version:

@@ -23,8 +23,10 @@ class AsyncCollector(CollectorBase):
 
     The trainer loop is unchanged: take a batch, train, publish the new weights with
     :meth:`update_policy_weights_`. The weights reach the collector at its next env-step boundary
-    (a :class:`TokenCollector` in this process, or every worker of a :class:`RayTokenCollector`);
-    trajectories in flight then continue or restart, per the collector's ``in_flight`` option.
+    (a :class:`TokenCollector` in this process, or every worker of a :class:`RayTokenCollector`); with a
+    wave source and partial rollouts (``CollectorOptions.partial_rollouts``) the wave in progress stops
+    there, its tokens kept with their versions. Trajectories in flight then continue or restart, per the
+    collector's ``in_flight`` option.
 
     Staleness: the version of a token is the policy version it was sampled under; ``current`` is the
     number of updates published. A yielded batch never holds a token older than
@@ -152,7 +154,14 @@ class AsyncCollector(CollectorBase):
     # -- the trainer side --
     def collect_batch(self) -> TensorDictBase | None:
         """The next batch collected ahead (staleness-checked against the current version); ``None`` when
-        collection ends. Raises what the collector raised for this batch."""
+        collection ends. Raises what the collector raised for this batch. A batch left with no step once its stale
+        work is dropped is not handed out (its tokens are counted in ``dropped_tokens``): the next one is."""
+        while True:
+            batch = self._next_checked()
+            if batch is None or bool(batch.get(keys.MASK).any()):
+                return batch
+
+    def _next_checked(self) -> TensorDictBase | None:
         self._start()
         start = time.perf_counter()
         with self._cond:

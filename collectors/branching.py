@@ -2,7 +2,7 @@
 
 A tree is a group: its root is the group's prompt, sampled once; a *branch* continues a copy of another branch's
 sequence from one of its tokens (:meth:`~tokengym.llm_envs.TokenEnv.fork`: tokens, lengths, turn state and ids
-copied into a free slot; :meth:`TransformersPolicy.fork` copies the KV cache rows, no forward). Every branch ends as
+copied into a free slot; :meth:`~tokengym.collectors.policies.TransformersPolicy.fork` copies the KV cache rows, no forward). Every branch ends as
 a *leaf*: a trajectory of the group, whose batch row holds its whole sequence from the prompt (its steps before the
 fork are its ancestors', ``keys.BRANCH_ID`` says whose). A tree has exactly ``group_size`` leaves, so batches hold
 whole groups as they always do and the group advantages, dynamic sampling and evaluation work unchanged;
@@ -48,7 +48,7 @@ class Fork:
 
 @dataclasses.dataclass(frozen=True)
 class TreeStep:
-    """What a rule is shown after each env step: the branches of growing trees.
+    """What a rule is shown after each env step (or each wave): the branches of growing trees.
 
     Attributes:
         slots: slots holding a branch that took this step (live, or ended at it).
@@ -73,12 +73,25 @@ class TreeStep:
 
 
 class BranchRule(Protocol):
-    """Where a tree forks. ``needs_surprise``: the rule reads :attr:`TreeStep.surprise`."""
+    """Where a tree forks. ``needs_surprise``: the rule reads :attr:`TreeStep.surprise`.
+
+    A rule may also say where a live branch forks next, ``next_fork(step, slot) -> int | None``: the number of
+    generated tokens at which :meth:`forks` should next see the branch in ``slot`` (``step`` shows the live branches
+    before a wave). The wave source (``source="wave"``) pauses the branch's generation there, as an unfinished row the
+    next wave continues; the step source shows every step anyway. ``None`` (and the default for a rule without the
+    method): the branch runs its turn out, and :meth:`forks` sees it at the wave's end (its turn's end, or its own).
+    """
 
     needs_surprise: bool
 
     def forks(self, step: TreeStep) -> list[Fork]:
         """The forks to make after this step."""
+
+
+def _next_fork(rule, step: TreeStep, slot: int) -> int | None:
+    """The rule's :meth:`BranchRule.next_fork` of the branch in ``slot`` (``None`` for a rule without one)."""
+    method = getattr(rule, "next_fork", None)
+    return None if method is None else method(step, slot)
 
 
 class SegmentRule:
@@ -103,6 +116,10 @@ class SegmentRule:
     def forks(self, step: TreeStep) -> list[Fork]:
         return [Fork(b, step.steps[b], self.width - 1) for b in step.slots
                 if b not in step.ended and step.steps[b] % self.length == 0]  # fmt: skip
+
+    def next_fork(self, step: TreeStep, slot: int) -> int | None:
+        """The next multiple of ``length``; ``None`` once the tree has no leaves left (the branch runs out)."""
+        return None if step.budget[slot] <= 0 else (step.steps[slot] // self.length + 1) * self.length
 
     def __repr__(self) -> str:
         return f"SegmentRule(length={self.length}, width={self.width})"
@@ -154,6 +171,12 @@ class EntropyRule:
                 out += [Fork(b, int(t), 1) for t in sorted(top.tolist())]
         return out
 
+    def next_fork(self, step: TreeStep, slot: int) -> int | None:
+        """A root that has its chains to fork: after its first token (they fork at step 0, sharing the prompt only);
+        every other branch runs out (a chain forks once it ended)."""
+        is_root = slot in step.roots and step.depth[slot] == 0 and step.steps[slot] == 0
+        return 1 if is_root and self._sizes()[0] > 1 and step.budget[slot] > 0 else None
+
     def __repr__(self) -> str:
         return f"EntropyRule(chains={self.chains}, forks={self.per_chain}, skip={self.skip})"
 
@@ -190,13 +213,15 @@ def check_rule(rule) -> None:
 class TreeSampler:
     """Grows ``group_size``-leaf trees in a token env's slots, driven by a step source: after each env step (before
     the finished slots are refilled) :meth:`after_step` makes the rule's forks, fills trees whose branches all ended
-    with fresh samples of their prompt, frees the slots of complete trees and starts new trees there.
+    with fresh samples of their prompt, frees the slots of complete trees and starts new trees there. A wave source
+    caps each branch's wave at the rule's next fork (:meth:`wave_caps`) and calls :meth:`after_wave` after the wave.
 
     Args:
         rule: a :class:`BranchRule`.
         env: the bare ``TokenEnv``.
         policy: the stepping policy; its ``fork`` (``TransformersPolicy``) copies KV cache rows, else branches are
-            prefilled at their first step.
+            prefilled at their first step. ``None`` for waves (each wave prefills its rows; the engines' prefix
+            caches share the common part).
         group_size: leaves per tree.
     """
 
@@ -253,7 +278,6 @@ class TreeSampler:
         ``ended``: slots done at it), then free and refill; ``(observation, new roots, forks, error or None)``
         where ``forks`` lists
         ``(parent slot, parent trajectory, child slot, child trajectory, at)`` for the recorder."""
-        env = self.env
         nxt = td.get(keys.NEXT)
         steps_t = nxt.get(keys.RESPONSE_LEN)
         active = td.get(keys.ACTIVE)
@@ -262,20 +286,31 @@ class TreeSampler:
             at = (steps_t[rows] - 1).clamp(min=0, max=self.surprise.shape[1] - 1)
             self.surprise[rows, at] = -td.get(keys.ACTION_LOG_PROB)[rows].float()
         ended_set = set(ended)
-        slots = [b for b in active.nonzero().squeeze(-1).tolist() if self.tree_of[b] != -1]
+        tree_of = self.tree_of
+        slots = [b for b in active.nonzero().squeeze(-1).tolist() if tree_of[b] != -1]
         turn_ended = set()
         if self.env.max_turns > 1:
             moved = (nxt.get(keys.TURN) != td.get(keys.TURN)) & active
             turn_ended = {b for b in moved.nonzero().squeeze(-1).tolist() if b not in ended_set}
-        steps = {b: int(steps_t[b]) for b in slots}
-        budget = {b: self.group_size - self.leaves[self.tree_of[b]] for b in slots}
-        view = TreeStep(slots, steps, ended_set, turn_ended, budget, {b: self.depth[b] for b in slots},
-                        {b for b in slots if self.roots.get(self.tree_of[b]) == b},
+        all_steps = steps_t.tolist()
+        view = self._view(slots, {b: all_steps[b] for b in slots}, ended_set, turn_ended)
+        return self._grow(view, ended, obs)
+
+    def _view(self, slots: list[int], steps: dict[int, int], ended: set[int], turn_ended: set[int]) -> TreeStep:  # fmt: skip
+        tree_of = self.tree_of
+        budget = {b: self.group_size - self.leaves[tree_of[b]] for b in slots}
+        return TreeStep(slots, steps, ended, turn_ended, budget, {b: self.depth[b] for b in slots},
+                        {b for b in slots if self.roots.get(tree_of[b]) == b},
                         None if self.surprise is None else {b: self.surprise[b] for b in slots})  # fmt: skip
+
+    def _grow(self, view: TreeStep, ended: list[int], obs):
+        """The rule's forks of ``view``, the rest of the leaves of trees whose branches all ended, then the slots
+        freed and new trees started (see :meth:`after_step`)."""
+        env, slots = self.env, view.slots
         forks: list[tuple] = []
         changed = bool(ended)
         for fork in self.rule.forks(view) if slots else []:
-            forks += self._fork(fork, ended_set)
+            forks += self._fork(fork)
         for b in ended:  # ended branches leave their trees' live sets
             group = self.tree_of[b]
             if group != -1:
@@ -289,7 +324,9 @@ class TreeSampler:
             missing = self.group_size - self.leaves[group]
             if missing > 0:
                 self.counters["tree_leaves_from_prompt"] += missing
-                forks += self._fork(Fork(b, 0, missing), ended_set, count=False)
+                self.live[group].add(b)  # its slot is not a free one for its own forks
+                forks += self._fork(Fork(b, 0, missing), count=False)
+                self.live[group].discard(b)
             if not self.live[group]:
                 self._finish(group)
         if not (forks or changed):
@@ -299,13 +336,53 @@ class TreeSampler:
         obs, roots, error = self._admit(obs)
         return obs, roots, forks, error
 
-    def _fork(self, fork: Fork, ended: set[int], *, count: bool = True) -> list[tuple]:
+    # -- around a wave (source="wave") --
+    def wave_caps(self, slots: list[int], steps: list[int]) -> dict[int, int]:
+        """Before a wave of the live ``slots`` (``steps``: each one's generated tokens so far): the tokens each tree
+        branch may generate before the rule's next fork (:meth:`BranchRule.next_fork`), by slot; a branch absent
+        runs its turn out. The wave pauses a capped branch there (an unfinished row), :meth:`after_wave` forks it."""
+        live = [(b, n) for b, n in zip(slots, steps, strict=True) if self.tree_of[b] != -1]
+        view = self._view([b for b, _ in live], dict(live), set(), set())
+        caps = {}
+        for b, n in live:
+            at = _next_fork(self.rule, view, b)
+            if at is not None and at > n:
+                caps[b] = at - n
+        return caps
+
+    def after_wave(self, steps, counts: torch.Tensor):
+        """After a wave, given as its real steps (:meth:`~tokengym.llm_envs.TokenEnv.unroll_cells`: ``steps`` (n,)
+        slot by slot, ``counts`` (B,)), before its finished slots are refilled: the rule sees each branch that took
+        steps as it stands at the wave's end (paused at its planned fork, at its turn's end, or ended), then forks,
+        frees and refills as :meth:`after_step` does; ``(observation, new roots, forks, error or None)``."""
+        rows = (counts > 0).nonzero().squeeze(-1)
+        last = (counts.cumsum(0) - 1).index_select(0, rows)  # each slot's last step
+        nxt = steps.get(keys.NEXT)
+        if self.surprise is not None and len(steps):
+            slot = torch.repeat_interleave(torch.arange(len(counts)), counts)
+            at = steps.get(keys.RESPONSE_LEN).clamp(max=self.surprise.shape[1] - 1)
+            self.surprise[slot, at] = -steps.get(keys.ACTION_LOG_PROB).float()
+        done = nxt.get(keys.DONE[1]).reshape(-1).index_select(0, last)
+        ended = rows[done].tolist()
+        turn_ended = set()
+        if self.env.max_turns > 1:
+            turns = nxt.get(keys.TURN).index_select(0, last), steps.get(keys.TURN).index_select(0, last)
+            moved = (turns[0] != turns[1]) & ~done
+            turn_ended = set(rows[moved].tolist())
+        tree_of = self.tree_of
+        after = nxt.get(keys.RESPONSE_LEN).index_select(0, last).tolist()
+        resp = dict(zip(rows.tolist(), after, strict=True))
+        slots = [b for b in resp if tree_of[b] != -1]
+        view = self._view(slots, {b: resp[b] for b in slots}, set(ended), turn_ended)
+        return self._grow(view, ended, None)
+
+    def _fork(self, fork: Fork, *, count: bool = True) -> list[tuple]:
         group = self.tree_of[fork.slot] if 0 <= fork.slot < len(self.tree_of) else -1
         if group == -1 or not isinstance(fork, Fork):
             raise ValueError(f"the branching rule asked for {fork!r}: a Fork of a slot that holds a tree's branch")
         room = self.group_size - self.leaves[group]
-        free = [b for b, g in enumerate(self.tree_of) if g == group and b not in self.live[group] and b != fork.slot
-                and (b not in ended or b != fork.slot)]  # fmt: skip
+        # the tree's slots without a live branch (a branch that ended at this step is still live here)
+        free = [b for b, g in enumerate(self.tree_of) if g == group and b not in self.live[group]]
         n = min(fork.branches, room, len(free))
         if count:
             self.counters["tree_forks_skipped"] += fork.branches - n

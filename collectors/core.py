@@ -65,19 +65,21 @@ class CollectorOptions:
         use_progress_bar: a tqdm bar of collected tokens on stderr (only when stderr is a terminal).
         dynamic_sampling: a :class:`~tokengym.collectors.DynamicSampling` (DAPO, verl's ``filter_groups``): in
             ``TRAJECTORIES`` mode, batches of whole groups whose rewards spread, sampled until full.
-        partial_rollouts: with ``source="wave"`` and a policy that can be interrupted (``TransformersPolicy``),
+        partial_rollouts: with ``source="wave"`` and a policy that can be interrupted (``TransformersPolicy``,
+            ``VLLMPolicy``, ``VLLMServerPolicy``),
             weights published from another thread (``AsyncCollector``) interrupt the wave in progress: the tokens
             generated so far are kept with their version and each sequence goes on under the new weights in the
             next wave (then ``in_flight`` applies). False: the update waits for the wave's end.
         over_sampling: with ``source="wave"`` in ``TRAJECTORIES`` mode (slime's over-sampling, APRIL): a wave stops as
             soon as enough of its rows ended to fill the batch; the others go on in the next wave (long tails carried
             over, into the next batch) instead of holding the finished slots idle until the longest row ends. Needs a
-            policy that honours ``WaveRequest.min_finished`` (``TransformersPolicy``; the others run whole waves).
-        tree: a branching rule (:class:`~tokengym.collectors.branching.SegmentRule`, ``EntropyRule``, ``TurnRule``, or
+            policy that honours ``WaveRequest.min_finished`` (``TransformersPolicy``, ``VLLMPolicy``).
+        tree: a branching rule (:class:`~tokengym.collectors.SegmentRule`, ``EntropyRule``, ``TurnRule``, or
             your own): each group is sampled as a tree whose ``group_size`` leaves fork from one another at the
-            tokens the rule picks (``mode="trajectories"``, ``source="step"``, a bare ``TokenEnv`` with
-            ``group_size >= 2``); each leaf's row holds its whole sequence, with ``keys.BRANCH_ID``,
-            ``keys.PARENT_ID`` and ``keys.FORK_INDEX`` (see :mod:`tokengym.collectors.branching`).
+            tokens the rule picks (``mode="trajectories"``, ``source="step"`` or ``"wave"`` without
+            ``over_sampling``, a bare ``TokenEnv`` with ``group_size >= 2``); each leaf's row holds its whole
+            sequence, with ``keys.BRANCH_ID``,
+            ``keys.PARENT_ID`` and ``keys.FORK_INDEX`` (see the guide ``docs/guides/trees.md``).
     """
 
     def __init__(self, *, is_last_step_only: bool = False, is_fixed_width: bool = True, is_whole_groups: bool = True,

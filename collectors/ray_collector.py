@@ -68,6 +68,12 @@ class RayTokenCollector(CollectorBase):
     trajectories of whole groups, the groups split over the workers (at least one group each).
     Batches are consolidated before they cross Ray.
 
+    Weights published while the workers collect reach each of them at once (the actor takes the update on
+    another thread than the batch's) and are applied at the worker's next step boundary; with a wave source
+    and partial rollouts (``CollectorOptions.partial_rollouts``, on by default) every worker's wave in
+    progress stops there and its rows go on under the new weights, each token stamped with the version that
+    produced it (``interrupted_sequences`` counts them, over the workers).
+
     A worker that dies is restarted from the state after its last delivered batch (with the newest
     weights), so no trajectory is lost or duplicated. A worker whose batch raises (a reward function,
     say) is rolled back to that state (after a ``PromptError`` it goes on past the prompt instead); the
@@ -269,7 +275,8 @@ class RayTokenCollector(CollectorBase):
     # -- weights --
     def push_weights(self, weights) -> int:
         """Put the weights into the object store once; every worker loads them (at its next step boundary when it
-        is collecting) and the version bumps everywhere."""
+        is collecting, its wave in progress interrupted with partial rollouts) and the version bumps everywhere.
+        Returns once every worker has queued them."""
         ray = _ray()
         ref = ray.put(pack_weights(weights))
         with self._lock:

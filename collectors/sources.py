@@ -180,9 +180,13 @@ class WaveSource:
         self.last_steps = 0  # env steps of the last wave (without the padding)
         self.last_interrupted = 0  # rows of the last wave the policy did not finish (interrupted by an update)
         self.min_finished: int | None = None  # ask the policy to stop once this many rows ended (over-sampling)
+        self.tree = None  # a TreeSampler (branching rollouts): waves paused at planned forks, forks after each
 
     def start(self) -> tuple[list[int], PromptError | None]:
         self.done = torch.zeros(self.env.batch_size[0], dtype=torch.bool)
+        if self.tree is not None:
+            _, roots, error = self.tree.start()
+            return roots, error
         slots = list(range(self.env.batch_size[0]))
         try:
             self.env.reset()
@@ -194,6 +198,8 @@ class WaveSource:
     def advance(self) -> tuple[dict, list[int], PromptError | None]:
         """One wave: ``(chunk (B, T, ...), refilled slots, error of skipped prompts or None)``; the chunk is
         empty when nothing is live. A slot whose prompt fails to load is refilled at the next wave."""
+        if self.tree is not None:
+            return self._advance_tree()
         refilled = self.done.nonzero().squeeze(-1).tolist()
         if refilled:
             try:
@@ -212,6 +218,9 @@ class WaveSource:
         self.last_interrupted = 0 if result.finished is None else int((~result.finished).sum())
         if self.cells:
             steps, counts = self.env.unroll_cells(request, result)
+            if int(counts.sum()) == 0:  # interrupted before its first token (an update landed as it started)
+                self.done = torch.zeros_like(self.done)
+                return {}, refilled, None
             self.last_steps = max(int(counts.max()), 1)
             live = (counts > 0).nonzero().squeeze(-1)
             done = steps.get(_NEXT).get(keys.DONE[1]).reshape(-1)
@@ -227,18 +236,56 @@ class WaveSource:
             out.pop(f"{_NEXT}.{name}", None)
         return out, refilled, None
 
+    def _advance_tree(self) -> tuple[dict, list[int], PromptError | None]:
+        """One wave of the trees' live branches, each paused at its rule's next fork (a row capped there and left
+        unfinished: the env keeps it open, the next wave continues it), then the forks (of paused branches, or of
+        ones that ended in the wave: their tokens are still in their slots), the slots freed and new trees started.
+        The chunk is the wave's real steps (:class:`Cells`) with the forks made after it (``forks``)."""
+        env = self.env
+        request = env.wave_request()
+        if len(request) == 0:
+            return {}, [], None
+        slots = request.slots.tolist()
+        caps = self.tree.wave_caps(slots, env.observation().get(keys.RESPONSE_LEN)[request.slots].tolist())
+        paused = None
+        if caps:  # rows capped below their budget stop at the fork: not an env limit, the turn goes on
+            cap = torch.tensor([caps.get(b, -1) for b in slots], dtype=torch.int64)
+            paused = (cap >= 0) & (cap < request.max_new_tokens)
+            budget = torch.where(paused, cap, request.max_new_tokens)
+            request = dataclasses.replace(request, max_new_tokens=budget)
+        result = self.policy.generate(request)
+        self.last_interrupted = 0 if result.finished is None else int((~result.finished).sum())
+        if paused is not None:
+            paused &= result.lengths >= request.max_new_tokens
+            if bool(paused.any()):
+                finished = ~paused if result.finished is None else result.finished & ~paused
+                result = dataclasses.replace(result, finished=finished)
+        steps, counts = env.unroll_cells(request, result)
+        self.last_steps = max(int(counts.max()), 1)
+        out = Cells({flat_name(k): v for k, v in steps.items(include_nested=True, leaves_only=True)}, counts)
+        for name in _NEXT_SKIP:
+            out.pop(f"{_NEXT}.{name}", None)
+        _, roots, out.forks, error = self.tree.after_wave(steps, counts)
+        return out, roots, error
+
     def restart(self, slots: list[int]) -> None:
         self.env.restart(slots)
 
     def finished_slots(self) -> set[int]:
-        """Slots whose trajectory ended in the last wave (recorded, not in flight), refilled at the next one."""
+        """Slots whose trajectory ended in the last wave (recorded, not in flight), refilled at the next one (none
+        with trees: their slots are freed or forked into after each wave)."""
         return set() if self.done is None else set(self.done.nonzero().squeeze(-1).tolist())
 
     def state_dict(self) -> dict:
-        return {"done": None if self.done is None else self.done.clone()}
+        out = {"done": None if self.done is None else self.done.clone()}
+        if self.tree is not None:
+            out["tree"] = self.tree.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.done = state["done"]
+        if self.tree is not None and state.get("tree") is not None:
+            self.tree.load_state_dict(state["tree"])
 
 
 def make_source(kind: SourceKind | str | None, env, policy) -> StepSource | WaveSource:

@@ -143,14 +143,18 @@ class TokenCollector(CollectorBase):
             self._grow_trees(base, policy)
 
     def _grow_trees(self, base, policy) -> None:
-        """Sample each group as a tree (``options.tree``): checks, then the step source's tree sampler."""
+        """Sample each group as a tree (``options.tree``): checks, then the source's tree sampler (stepping: forks
+        after each step, the KV cache rows copied; waves: each wave paused at the rule's next forks, forks after it)."""
         where = "CollectorOptions(tree=...) grows trees of whole groups"
-        if self.mode is not CollectMode.TRAJECTORIES or self.source.kind != SourceKind.STEP:
-            raise ValueError(f"{where}: collect with mode='trajectories' and source='step' (got mode="
-                             f"{self.mode.value!r}, source={self.source.kind.value!r})")  # fmt: skip
-        if not self.source.is_bare:
+        if self.mode is not CollectMode.TRAJECTORIES:
+            raise ValueError(f"{where}: collect with mode='trajectories' (got mode={self.mode.value!r})")
+        is_wave = self.source.kind == SourceKind.WAVE
+        if not is_wave and not self.source.is_bare:
             raise ValueError(f"{where} in a bare TokenEnv: env transforms run per step and cannot be forked; apply "
                              "them to the batches (postproc) instead")  # fmt: skip
+        if is_wave and self.options.over_sampling:
+            raise ValueError(f"{where}; over_sampling stops waves early for long tails, trees pause them at their "
+                             "forks: leave over_sampling off with tree=...")  # fmt: skip
         B = base.batch_size[0]
         if self.group_size < 2 or B < self.group_size:
             raise ValueError(f"{where}: build the env with group_size >= 2 (the leaves of a tree) and batch_size >= "
@@ -159,7 +163,7 @@ class TokenCollector(CollectorBase):
         if base.turns.may_split:
             raise ValueError(f"{where}: {type(base.turns).__name__} may split an episode into several trajectories, "
                              "which a tree cannot follow")  # fmt: skip
-        self.source.tree = TreeSampler(self.options.tree, base, policy, self.group_size)
+        self.source.tree = TreeSampler(self.options.tree, base, None if is_wave else policy, self.group_size)
         self.recorder.is_tree = True
 
     @property
@@ -394,6 +398,8 @@ class TokenCollector(CollectorBase):
         A ``ValueError`` when the checkpoint was taken on other prompts (its fingerprint of the prompt source
         differs from this env's); ``strict=False`` resumes its cursor over this env's prompts anyway."""
         load_collector_state(self, state, strict=strict)
+        with self._lock:  # the loaded policy's version, and the updates still queued, give the next one's
+            self._asked_version = self.policy.version + len(self._queued_weights)
         self.undelivered = None  # a batch whose delivery failed is in the restored recorder, or was delivered
 
 

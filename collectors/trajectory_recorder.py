@@ -119,6 +119,9 @@ class TrajectoryRecorder:
             rows = whole.nonzero().squeeze(-1)
             self._finish([seg] * len(rows), rows, counts[rows], wave[F_GROUP][rows], wave[F_TRAJ][rows],
                          wave[F_SAMPLE][rows])  # fmt: skip
+        forks = getattr(chunk, "forks", None)
+        if forks:
+            self._fork_chains(forks)
 
     @property
     def continues_turns(self) -> bool:
@@ -225,6 +228,33 @@ class TrajectoryRecorder:
             for v in self.store.tensors.values():
                 v[dst, :at] = v[src, :at]
             self.links[c_traj] = (p_traj, at)
+
+    def _fork_chains(self, forks: list[tuple]) -> None:
+        """Waves: branches forked after the wave just written (as :meth:`fork` has them). Each child's trajectory
+        starts as a chain of references to its parent's first ``at`` steps (the parent going on in its slot, or ended
+        in the wave: queued); the child's own steps join it from the next wave on."""
+        for p_slot, p_traj, c_slot, c_traj, at in forks:
+            self.open[c_slot] = self._prefix(p_slot, p_traj, at)
+            self.links[c_traj] = (p_traj, at)
+
+    def _prefix(self, slot: int, traj: int, at: int) -> list[tuple]:
+        """The pieces of trajectory ``traj``'s first ``at`` steps: queued (it ended) or going on in ``slot``."""
+        if at == 0:
+            return []
+        pieces = None
+        for members in self.waiting.values():
+            for e in members:
+                if e[4] == traj:
+                    pieces = e[0].pieces if isinstance(e[0], Chain) else [(e[0], e[1], e[2])]
+        if pieces is None:  # going on; restored from a checkpoint and not yet in a wave: the live row
+            pieces = self.open[slot] if slot in self.open else [(self._live, slot, at)]
+        out, n = [], 0
+        for seg, row, steps in pieces:
+            if n >= at:
+                break
+            out.append((seg, row, min(steps, at - n)))
+            n += out[-1][2]
+        return out
 
     def _row_of(self, slot: int, traj: int) -> int:
         """The store row of trajectory ``traj``: queued (it ended) or going on in ``slot``."""

@@ -4,6 +4,8 @@
 Two envs over the same problems (chain_sum, two one-digit terms) and the same split seed: the training split, and
 the held-out split served once (``epochs=1``) for ``evaluate``; no problem is in both. A supervised warm start on the
 training answers comes first: a random tiny model never writes ``<answer>...</answer>``, so RL alone gets no reward.
+``--tree L,W`` samples each group of 8 as a tree instead (``SegmentRule(L, W)``: every L tokens each branch forks
+into W) and trains with ``TreeAdvantage("treerl")``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 import torch
 from torchrl.objectives import ClipPPOLoss
 
-from tokengym.collectors import TokenCollector
+from tokengym.collectors import CollectorOptions, SegmentRule, TokenCollector
 from tokengym.collectors.policies import SamplingConfig, SharedPrefixActor, TransformersPolicy
 from tokengym.evaluation import evaluate
 from tokengym.llm_envs import keys
@@ -26,6 +28,7 @@ from tokengym.transforms import (
     AdaptiveKLController,
     GroupAdvantage,
     KLRewardTransform,
+    TreeAdvantage,
     WeightedLoss,
     to_padded,
 )
@@ -34,7 +37,9 @@ from tokengym.warm_start import supervised_warm_start
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--iterations", type=int, default=30, help="GRPO iterations")
 parser.add_argument("--warm-start-steps", type=int, default=300)
+parser.add_argument("--tree", default=None, metavar="L,W", help="sample trees: fork every L tokens into W branches")
 args = parser.parse_args()
+tree = None if args.tree is None else SegmentRule(*(int(x) for x in args.tree.split(",")))
 
 torch.set_num_threads(1)  # a tiny model runs fastest on one thread
 start = time.perf_counter()
@@ -69,7 +74,9 @@ show("after the warm start:", before)
 policy = TransformersPolicy(model, train_env, sampling=sampling, seed=0)
 kl = KLRewardTransform(controller=AdaptiveKLController(0.02, target=2.0, horizon=2000), ref_model=copy.deepcopy(model),
                        estimator="k3", pad_id=tok.pad_token_id)  # fmt: skip
-collector = TokenCollector(train_env, policy, mode="trajectories", batch_size=64, postproc=kl)
+collector = TokenCollector(train_env, policy, mode="trajectories", batch_size=64, postproc=kl,
+                           options=CollectorOptions(tree=tree))  # fmt: skip
+advantage = GroupAdvantage("grpo") if tree is None else TreeAdvantage("treerl")
 loss = WeightedLoss(ClipPPOLoss(SharedPrefixActor(model, temperature=1.0), critic_network=None, entropy_bonus=False,
                                 functional=False, reduction="none"))  # fmt: skip
 trained_on: set[str] = set()  # the prompt of every group collected for training
@@ -81,7 +88,7 @@ def record(row: dict, batch) -> None:
 
 
 rows = train(collector, loss, torch.optim.Adam(model.parameters(), lr=1e-4), iterations=args.iterations,
-             options=TrainOptions(epochs=2), prepare=lambda b: to_padded(GroupAdvantage("grpo")(b)), on_iteration=record)  # fmt: skip
+             options=TrainOptions(epochs=2), prepare=lambda b: to_padded(advantage(b)), on_iteration=record)  # fmt: skip
 collector.shutdown()
 after = held_out_pass_at_k()
 show(f"after {args.iterations} GRPO iterations:", after)

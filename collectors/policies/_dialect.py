@@ -47,6 +47,10 @@ class WaveDialect(Protocol):
     def reply(self, answer: Any) -> tuple[Sequence[int], Sequence[float] | None]:
         """The token ids of one answer and their log-probs (``None`` when the engine gave none)."""
 
+    def finished(self, answer: Any) -> bool:
+        """False where the engine stopped the row before its turn ended (aborted: an interrupt, or enough rows
+        finished); the row then holds the tokens it has so far, and the next wave continues it."""
+
 
 class ServerDialect(WaveDialect, Protocol):
     """What an HTTP inference server adds: endpoints, start-up checks, weight reload, cache reset and abort.
@@ -81,16 +85,39 @@ class ServerDialect(WaveDialect, Protocol):
     async def reset_cache(self, fleet, server) -> None:
         """Drop ``server``'s prefix cache (KV computed under the old weights) after new weights."""
 
+    def stream(self, row: Any) -> Any:
+        """``row`` asked as a stream (one event per generated step), so a row keeps what it has when it is stopped."""
+
+    def answer(self) -> Any:
+        """An answer with no token yet, which :meth:`take` fills (``reply`` and ``finished`` read it as a whole one)."""
+
+    def take(self, answer: Any, chunk: dict) -> None:
+        """Fold one streamed event into ``answer``; an error event raises (``RequestRejected`` for a 4xx, else
+        ``OSError``: the server failed)."""
+
+    def received(self, answer: Any) -> int:
+        """Tokens ``answer`` holds so far."""
+
+    def resume(self, row: Any, answer: Any) -> Any | None:
+        """``row`` continued from what ``answer`` received (its server failed mid-stream: the row goes on on another
+        server): prompt plus those tokens, the budget less them, the same seed; ``None`` when nothing is left."""
+
     async def abort(self, fleet, server, attempts: Sequence) -> None:
         """Stop requests in flight on ``server`` (``attempts``: the fleet's tasks posting them). Used by partial
         rollouts: a wave interrupted when new weights are published keeps the tokens its rows have so far."""
 
 
 class EngineDialect(WaveDialect, Protocol):
-    """What an engine in this process adds: generation, weight reload, cache reset and abort."""
+    """What an engine in this process adds: generation that can stop between two engine steps, weight reload and
+    cache reset."""
 
-    def generate(self, rows: list, adapter=None) -> list:
-        """The answers to ``rows`` (:meth:`row`), in order, sampled with LoRA ``adapter`` (``None``: the base)."""
+    def generate(self, rows: list, adapter=None, *, should_stop=None) -> list:
+        """The answers to ``rows`` (:meth:`row`), in order, sampled with LoRA ``adapter`` (``None``: the base).
+
+        ``should_stop(finished)`` (``None``: never), called before each engine step with the number of rows finished
+        so far: once it returns True the engine stops and every row not finished is aborted and answered with the
+        tokens and log-probs it has (:meth:`finished` False). Partial rollouts (an interrupt: weights published
+        mid-wave) and over-sampling (enough rows ended) stop waves this way."""
 
     def reload(self, items: list) -> None:
         """Load ``(name, tensor)`` pairs (transformers names, every tensor of the checkpoint) into the engine."""
@@ -98,17 +125,13 @@ class EngineDialect(WaveDialect, Protocol):
     def reset_cache(self) -> None:
         """Drop the engine's prefix cache (KV computed under the old weights)."""
 
-    def abort(self) -> None:
-        """Stop the wave in progress (partial rollouts: called from another thread when new weights are published);
-        ``NotImplementedError`` where the engine cannot be stopped mid-wave."""
-
 
 def required_members(protocol: type) -> list[str]:
     """The names a dialect of ``protocol`` must have: its attributes and methods, and its bases'.
 
     Example:
         >>> required_members(WaveDialect)
-        ['max_stop_strings', 'name', 'reply', 'row', 'sampling_fields', 'wave_fields']
+        ['finished', 'max_stop_strings', 'name', 'reply', 'row', 'sampling_fields', 'wave_fields']
     """
     names = set()
     for cls in protocol.__mro__:
@@ -129,7 +152,7 @@ def check_dialect(dialect, protocol: type) -> None:
         >>> check_dialect(Half(), WaveDialect)
         Traceback (most recent call last):
         ...
-        TypeError: the Half dialect lacks row, sampling_fields, wave_fields of the WaveDialect protocol; ...
+        TypeError: the Half dialect lacks finished, row, sampling_fields, wave_fields of the WaveDialect protocol; ...
     """
     missing = []
     for name in required_members(protocol):

@@ -11,6 +11,13 @@ server and its last failure. A server whose engine died (HTTP 500 naming vLLM's 
 described so, with its log file when this process started it
 (:class:`~tokengym.collectors.policies.LocalVLLMServer`).
 
+Requests are streamed: each row's tokens and log-probs are kept as they arrive (the dialect folds each chunk into
+its answer). That is what lets a wave stop early and go on later (partial rollouts, :meth:`ServerFleet.complete`'s
+``until``): when the policy's ``interrupt`` is set (new weights published) or enough rows have ended
+(``WaveRequest.min_finished``), the rows in flight are aborted (the dialect's ``abort``) and keep what they received,
+unfinished. A server that fails mid-stream is another matter: its rows are sent again elsewhere *from the tokens
+they received* (prompt and tokens so far, the budget reduced, the same seed), so nothing it streamed is lost.
+
 What happens is logged under ``tokengym.collectors.policies`` (a server marked down and why: WARNING;
 a server back: INFO) and counted in :meth:`ServerFleet.counts` (servers up, failovers, revivals, requests
 sent again), which reach the collector's metrics through the policy.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -36,6 +44,7 @@ from tokengym.collectors.policies._server_options import (
     NoServerError,
     RequestRejected,
     ServerOptions,
+    WaveStop,
     server_key,
 )
 from tokengym.collectors.policies.server_guard import KEY_VARIABLE
@@ -62,6 +71,8 @@ class Server:
     outstanding: int = 0
     answered: int = 0
     """Generation requests it answered."""
+    streamed: int = 0
+    """Streamed chunks it sent (generation requests)."""
     last_failure: str | None = None
     down_reason: str | None = None
     """Why it was marked down (``last_failure`` is the latest failed attempt to bring it back)."""
@@ -70,6 +81,29 @@ class Server:
     """A weight update went by while it was down (warned once; it reloads when it comes back)."""
     attempts: set = dataclasses.field(default_factory=set)
     """Requests in flight on it (cancelled, and sent elsewhere, when it goes down)."""
+
+
+class _Run:
+    """One wave in flight: each row's answer so far, how many rows ended, whether it was told to stop."""
+
+    def __init__(self, answers: list, until: WaveStop) -> None:
+        self.answers, self.until, self.ended = answers, until, 0
+        self.is_stopped = False
+        self.stopped = asyncio.Event()
+
+    def stop(self) -> None:
+        self.is_stopped = True
+        self.stopped.set()
+
+    def should_stop(self) -> bool:
+        """Checked at every chunk: stop once the interrupt is set or enough rows ended."""
+        if not self.is_stopped:
+            u = self.until
+            if (u.interrupt is not None and u.interrupt.is_set()) or (
+                u.min_finished is not None and self.ended >= u.min_finished
+            ):
+                self.stop()
+        return self.is_stopped
 
 
 def _describe(err: BaseException) -> str:
@@ -105,18 +139,20 @@ class ServerFleet:
 
     Args:
         urls: base URLs (``http://host:port``), one per server.
+        dialect: the engine's server dialect (:mod:`._dialect`): where a generation request is POSTed, how it
+            is streamed and its chunks read, how a row goes on from its tokens, how requests are aborted.
         options: a :class:`ServerOptions`.
-        generate_path: where a generation request is POSTed (the dialect's, :mod:`._dialect`).
     """
 
-    def __init__(self, urls: Sequence[str], *, options: ServerOptions | None = None,
-                 generate_path: str = "/v1/completions") -> None:  # fmt: skip
-        self.options, self.generate_path = options or ServerOptions(), generate_path
+    def __init__(self, urls: Sequence[str], dialect, *, options: ServerOptions | None = None) -> None:
+        self.options, self.dialect = options or ServerOptions(), dialect
+        self.generate_path = dialect.generate_path
         self.servers = [Server(url.rstrip("/")) for url in urls]
         self.sticky: dict[Hashable, Server] = {}
         self.revive: Callable | None = None  # async (server) -> None: make a returning server current
         self.has_key = server_key(self.options) is not None
-        self.counters = {"server_failovers": 0, "server_revivals": 0, "server_reloads": 0, "retried_requests": 0}
+        self.counters = {"server_failovers": 0, "server_revivals": 0, "server_reloads": 0, "retried_requests": 0,
+                         "failover_kept_tokens": 0}  # fmt: skip
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="tokengym-server-fleet", daemon=True
@@ -210,8 +246,9 @@ class ServerFleet:
         return [s for s in self.servers if s.is_up]
 
     def counts(self) -> dict[str, int]:
-        """``servers_up`` now; failovers (servers marked down), revivals (servers back), weight reloads into a server
-        and requests sent more than once (each counted once), since the fleet was made."""
+        """``servers_up`` now; failovers (servers marked down), revivals (servers back), weight reloads into a server,
+        requests sent more than once (each counted once) and the tokens they had received from a server that failed
+        (kept: the request went on from them), since the fleet was made."""
         return {"servers_up": len(self.up()), **self.counters}
 
     def failures(self) -> str:
@@ -238,29 +275,43 @@ class ServerFleet:
                   "takes requests again", server.url, server.down_reason, server.version, time.monotonic() - start)  # fmt: skip
 
     # -- waves --
-    def complete(self, payloads: list[dict], keys: list[Hashable | None]) -> list[dict]:
-        """Send every payload to :attr:`generate_path` and return the answers in order (exactly one each)."""
-        return self.run(self._wave(payloads, keys))
+    def complete(self, payloads: list[dict], keys: list[Hashable | None], until: WaveStop | None = None) -> list:  # fmt: skip
+        """Send every payload to :attr:`generate_path` and return the answers in order (exactly one each).
 
-    async def _wave(self, payloads: list[dict], keys: list) -> list[dict]:
+        Each answer is the dialect's (``dialect.answer()``, filled by the chunks streamed); with ``until``, the wave
+        may stop early and the rows still in flight are aborted: their answers hold what they received and the
+        dialect's ``finished`` says False."""
+        return self.run(self._wave(payloads, keys, until or WaveStop()))
+
+    async def _wave(self, payloads: list[dict], keys: list, until: WaveStop) -> list:
         await self.revive_down()
         if not self.up():
             await self.revive_down(force=True)
         self.sticky = {
             k: self.sticky[k] for k in keys if k is not None and k in self.sticky
         }  # this wave's only
-        results: list = [None] * len(payloads)
-        tasks = [
-            asyncio.ensure_future(self._one(i, payloads[i], keys[i], results)) for i in range(len(payloads))
-        ]
+        run = _Run([self.dialect.answer() for _ in payloads], until)
+        tasks = [asyncio.ensure_future(self._one(i, payloads[i], keys[i], run)) for i in range(len(payloads))]
+        rows = asyncio.gather(*tasks)
+        stopped = asyncio.ensure_future(run.stopped.wait())
         try:
-            await asyncio.gather(*tasks)
+            await asyncio.wait({rows, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not rows.done():  # told to stop: abort what is in flight, every row keeps what it received
+                await self._abort()
+            await rows
         except BaseException:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        return results
+        finally:
+            stopped.cancel()
+        return run.answers
+
+    async def _abort(self) -> None:
+        for server in self.servers:
+            if server.attempts:
+                await self.dialect.abort(self, server, list(server.attempts))
 
     def _pick(self, key) -> Server:
         server = self.sticky.get(key) if key is not None else None
@@ -275,10 +326,18 @@ class ServerFleet:
                 self.sticky[key] = server
         return server
 
-    async def _one(self, i: int, payload: dict, key, results: list) -> None:
-        timeout = httpx.Timeout(self.options.request_timeout_s, connect=self.options.connect_timeout_s)
+    async def _one(self, i: int, payload: dict, key, run: _Run) -> None:
+        """Row ``i`` until it ends or the wave stops. A failed attempt is sent again from what the row received
+        (the dialect's ``resume``: prompt and tokens so far, the budget reduced, the same seed)."""
+        answer = run.answers[i]
         has_revived, sent, again = False, 0, None
-        while True:
+        while not run.is_stopped:
+            before = self.dialect.received(answer)
+            body = payload if before == 0 else self.dialect.resume(payload, answer)
+            if body is None:  # its budget was spent, or it ended, before its server failed
+                run.ended += 1
+                run.should_stop()
+                return
             try:  # a request whose connection was dropped goes to the same server once more
                 server = again if again is not None and again.is_up else self._pick(key)
                 again = None
@@ -288,12 +347,10 @@ class ServerFleet:
                 has_revived = True
                 await self.revive_down(force=True)
                 continue
-            if sent == 1:  # its first attempt failed: a request sent again, unchanged (counted once, however many
-                self.counters["retried_requests"] += 1  # sends it takes: one moved request is one retried request)
+            if sent == 1:  # its first attempt failed: sent again (counted once, however many sends it takes)
+                self.counters["retried_requests"] += 1
             sent += 1
-            attempt = asyncio.ensure_future(
-                self._client.post(server.url + self.generate_path, json=payload, timeout=timeout)
-            )
+            attempt = asyncio.ensure_future(self._stream(server, body, answer, run))
             server.attempts.add(attempt)
             server.outstanding += 1
             try:
@@ -304,12 +361,18 @@ class ServerFleet:
             finally:
                 server.attempts.discard(attempt)
                 server.outstanding -= 1
-            if attempt.cancelled():  # its server went down meanwhile: send it elsewhere
+            kept = self.dialect.received(answer)
+            if attempt.cancelled():  # aborted (the wave stopped: keep what it has), or its server went down
+                self.counters["failover_kept_tokens"] += 0 if run.is_stopped else kept - before
                 continue
             err = attempt.exception()
             if err is not None:
+                if isinstance(err, RequestRejected):
+                    raise RequestRejected(f"{server.url} rejected {self.generate_path} (wave row {i}) with {err}",
+                                          status_code=err.status_code) from err  # fmt: skip
                 if not isinstance(err, httpx.HTTPError | OSError):
                     raise err
+                self.counters["failover_kept_tokens"] += kept - before
                 if isinstance(err, httpx.RemoteProtocolError | httpx.ReadError) and sent == 1:
                     # closed without an answer (a connection the server was closing as it was reused; a reset when
                     # it closed with the request unread): not yet a server that is down; a server that is gone
@@ -319,13 +382,42 @@ class ServerFleet:
                 self.mark_down(server, _describe(err), moving=1)
                 continue
             response = attempt.result()
-            if response.status_code >= 500:
-                self.mark_down(server, server_failure(server.url, response), moving=1)
-                continue
-            _raise_for_status(server, response, row=i)
-            results[i] = response.json()
-            server.answered += 1
-            return
+            if response is not None:  # an error answer before the stream began
+                if response.status_code >= 500:
+                    self.mark_down(server, server_failure(server.url, response), moving=1)
+                    continue
+                _raise_for_status(server, response, row=i)
+            if self.dialect.finished(answer):
+                server.answered += 1
+                return
+            if not run.is_stopped:  # the stream ended without its end: a server that failed
+                self.mark_down(server, "its stream ended before the request did", moving=1)
+
+    async def _stream(self, server: Server, body: dict, answer, run: _Run) -> httpx.Response | None:
+        """One attempt: stream ``body``'s chunks into ``answer``; an error answer (>= 400) is returned, read."""
+        o = self.options
+        timeout = httpx.Timeout(o.request_timeout_s, connect=o.connect_timeout_s)
+        request = self._client.stream("POST", server.url + self.generate_path, json=self.dialect.stream(body),
+                                      timeout=timeout)  # fmt: skip
+        async with asyncio.timeout(o.request_timeout_s), request as response:
+            if response.status_code >= 400:
+                await response.aread()
+                return response
+            has_ended = False
+            async for line in response.aiter_lines():  # server-sent events: "data: {json}", "data: [DONE]"
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                self.dialect.take(answer, json.loads(data))
+                server.streamed += 1
+                if not has_ended and self.dialect.finished(answer):
+                    has_ended = True
+                    run.ended += 1
+                if run.should_stop() and not has_ended:
+                    break  # leaving closes the connection: the server aborts the request
+        return None
 
 
 def _raise_for_status(server: Server, response: httpx.Response, *, row: int | None = None) -> None:

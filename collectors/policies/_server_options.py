@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 from tokengym.collectors.policies.server_guard import KEY_VARIABLE
 
-__all__ = ["NoServerError", "RequestRejected", "ServerOptions", "server_key"]
+__all__ = ["NoServerError", "RequestRejected", "ServerOptions", "WaveStop", "server_key"]
 
 
 class NoServerError(RuntimeError):
@@ -60,6 +61,19 @@ class ServerOptions:
             # the key itself is never echoed
             raise ValueError(f"api_key must be a non-empty printable string without spaces at its ends (the key the "
                              f"servers were started with), got a {type(key).__name__} that is not")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class WaveStop:
+    """When a fleet's wave may stop before every row ended its turn (partial rollouts, over-sampling); the rows in
+    flight then keep the tokens they received, unfinished."""
+
+    interrupt: threading.Event | None = None
+    """Set (by another thread: new weights published), the wave stops; checked at every chunk received, so the wave
+    stops at the first chunk after it is set (a row then holds at least that chunk: a wave never comes back
+    empty)."""
+    min_finished: int | None = None
+    """The wave stops once this many rows have ended (``WaveRequest.min_finished``)."""
 
 
 def server_key(options: ServerOptions) -> str | None:

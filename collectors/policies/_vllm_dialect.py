@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies._vllm_requests import sampling_fields
 from tokengym.collectors.policies.sampling import SamplingConfig
 
@@ -22,6 +23,7 @@ __all__ = ["VLLMEngineDialect", "VLLMServerDialect"]
 _NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
             "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}  # fmt: skip
 _BANNED_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
+_ABORTED = "abort"  # the finish reason of a request stopped before its end (vLLM's FinishReason.ABORT)
 _RESET_TRIES = 50  # a prefix-cache reset refused while blocks are held is retried every 20 ms, then forced
 
 
@@ -51,9 +53,56 @@ class VLLMServerDialect:
     def row(self, fields: dict, prompt: list[int], max_tokens: int, seed: int | None) -> dict:
         return dict(fields, prompt=prompt, max_tokens=max_tokens, seed=seed)
 
+    def finished(self, answer: dict) -> bool:
+        return answer["choices"][0].get("finish_reason") is not None  # None: aborted, the tokens so far
+
     def reply(self, answer: dict):
         choice = answer["choices"][0]
         return choice["token_ids"], (choice.get("logprobs") or {}).get("token_logprobs")
+
+    # -- streaming (the fleet streams every request: a row keeps what it received when it is aborted) --
+    def answer(self) -> dict:
+        """An answer with no token yet, in the shape of a whole one (``reply`` and ``finished`` read both)."""
+        return {"choices": [{"token_ids": [], "logprobs": {"token_logprobs": []}, "finish_reason": None}]}
+
+    def stream(self, row: dict) -> dict:
+        """``row`` streamed: one server-sent event per step, its new token ids and their log-probs."""
+        return dict(row, stream=True)
+
+    def take(self, answer: dict, chunk: dict) -> None:
+        """Fold one streamed chunk into ``answer``; an error event raises (``RequestRejected`` for a 4xx code, else
+        ``OSError``: the server failed, the row goes on elsewhere from its tokens)."""
+        error = chunk.get("error")
+        if error is not None:
+            code, message = int(error.get("code") or 500), str(error.get("message"))[:500]
+            if code < 500:
+                raise RequestRejected(f"HTTP {code}: {message}", status_code=code)
+            raise OSError(f"HTTP {code} (an error event in its stream): {message}")
+        if not chunk.get("choices"):  # a usage chunk
+            return
+        part, into = chunk["choices"][0], answer["choices"][0]
+        ids = part.get("token_ids") or []
+        into["token_ids"] += ids
+        if ids:
+            into["logprobs"]["token_logprobs"] += (part.get("logprobs") or {}).get("token_logprobs") or []
+        if part.get("finish_reason") is not None:
+            into["finish_reason"] = part["finish_reason"]
+
+    def received(self, answer: dict) -> int:
+        """Tokens ``answer`` holds."""
+        return len(answer["choices"][0]["token_ids"])
+
+    def resume(self, row: dict, answer: dict) -> dict | None:
+        """``row`` continued from the tokens ``answer`` received (its server failed mid-stream): prompt and tokens,
+        the budget less those tokens, the same seed. ``None`` (and ``answer`` marked ended) when nothing is left: its
+        budget is spent or its last token is an end id."""
+        choice = answer["choices"][0]
+        ids = choice["token_ids"]
+        left = row["max_tokens"] - len(ids)
+        if left <= 0 or ids[-1] in row.get("stop_token_ids", ()):
+            choice["finish_reason"] = "length" if left <= 0 else "stop"
+            return None
+        return dict(row, prompt=list(row["prompt"]) + ids, max_tokens=left)
 
     async def inspect(self, fleet, server, probe_ids: list[int]) -> dict:
         from tokengym.collectors.policies._server_checks import inspect_server
@@ -89,7 +138,8 @@ class VLLMServerDialect:
         raise OSError(f"{server.url} did not reset its prefix cache after new weights (it answered success=false)")
 
     async def abort(self, fleet, server, attempts: Sequence) -> None:
-        """vLLM aborts a request whose connection closes: cancelling its attempt is the abort."""
+        """vLLM aborts a request whose connection closes: cancelling its attempt (which closes its stream) is the
+        abort."""
         for attempt in attempts:
             attempt.cancel()
 
@@ -125,13 +175,52 @@ class VLLMEngineDialect:
     def row(self, fields: dict, prompt: list[int], max_tokens: int, seed: int | None) -> tuple:
         return {"prompt_token_ids": prompt}, self.make_params(**fields, max_tokens=max_tokens, seed=seed)
 
+    def finished(self, answer) -> bool:
+        return answer.finish_reason != _ABORTED
+
     def reply(self, answer):
         return answer.token_ids, None if answer.logprobs is None else answer.logprobs.logprobs
 
-    def generate(self, rows: list, adapter=None) -> list:
-        prompts, params = [r[0] for r in rows], [r[1] for r in rows]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
-        return [o.outputs[0] for o in outputs]
+    def generate(self, rows: list, adapter=None, *, should_stop=None) -> list:
+        """The engine driven step by step, as ``LLM.generate`` drives it (same requests in the same order: the same
+        tokens), so that it can stop between two steps; then each row not finished is aborted and answered with the
+        tokens it has (``finish_reason`` ``"abort"``)."""
+        engine, n = self.llm.llm_engine, len(rows)
+        internal, row_of = self._add_requests(rows, adapter)
+        answers: list = [None] * n
+        done = 0
+        try:
+            while done < n and not (should_stop is not None and should_stop(done)):
+                for output in engine.step():
+                    i = row_of.get(output.request_id)
+                    if i is not None and output.finished:
+                        answers[i], done = output.outputs[0], done + 1
+            return [_aborted_answer(engine, internal[i]) if a is None else a for i, a in enumerate(answers)]
+        finally:  # rows stopped early (or a step that failed) leave the engine
+            stopped = [internal[i] for i, a in enumerate(answers) if a is None]
+            if stopped:
+                engine.abort_request(stopped, internal=True)
+
+    def _add_requests(self, rows: list, adapter) -> tuple[list[str], dict[str, int]]:
+        """Add one request per row, in order, as ``LLM.generate`` adds them (its request ids, prompts rendered by its
+        renderer); only finished rows are reported by ``step`` (``FINAL_ONLY``, no per-step output objects)."""
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+        from vllm.sampling_params import RequestOutputKind
+
+        llm, engine = self.llm, self.llm.llm_engine
+        inputs = llm.renderer.render_cmpl([parse_model_prompt(llm.model_config, r[0]) for r in rows],
+                                          llm.renderer.default_cmpl_tok_params)  # fmt: skip
+        internal, row_of = [], {}
+        try:
+            for i, (prompt, (_, params)) in enumerate(zip(inputs, rows, strict=True)):
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = str(next(llm.request_counter))
+                internal.append(engine.add_request(request_id, prompt, params, lora_request=adapter))
+                row_of[request_id] = i
+        except BaseException:
+            engine.abort_request(internal, internal=True)
+            raise
+        return internal, row_of
 
     def reload(self, items: list) -> None:
         # vLLM's CPU backend repacks linear weights after loading, so model.load_weights fails on a
@@ -141,6 +230,11 @@ class VLLMEngineDialect:
     def reset_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
-    def abort(self) -> None:
-        raise NotImplementedError("vLLM's LLM.generate cannot be stopped from another thread; partial rollouts on "
-                                  "the in-process engine need it driven step by step (LLMEngine.step)")  # fmt: skip
+
+def _aborted_answer(engine, request_id: str):
+    """The answer vLLM gives a request aborted now: its tokens and log-probs so far (vLLM's async engine streams the same
+    output to a client that aborts; the offline engine keeps it in the request's state)."""
+    from vllm.v1.engine import FinishReason
+
+    state = engine.output_processor.request_states[request_id]
+    return state.make_request_output([], None, FinishReason.ABORT, None).outputs[0]

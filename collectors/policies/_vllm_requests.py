@@ -131,8 +131,10 @@ def empty_result(is_unmodified: bool, version: int) -> WaveResult:
     )
 
 
-def wave_result(token_ids: list, log_probs: list, *, is_unmodified: bool, version: int) -> WaveResult:
-    """Rows of token ids and their log-probs (one per token) as a right-padded :class:`WaveResult`.
+def wave_result(token_ids: list, log_probs: list, *, is_unmodified: bool, version: int,
+                finished: list[bool] | None = None) -> WaveResult:  # fmt: skip
+    """Rows of token ids and their log-probs (one per token) as a right-padded :class:`WaveResult`; ``finished``
+    (one per row, ``None``: all): False for a row the engine stopped before its turn ended (an interrupt).
 
     Example:
         >>> r = wave_result([[5, 6], [7]], [[-0.5, -1.0], [-2.0]], is_unmodified=False, version=3)
@@ -143,10 +145,11 @@ def wave_result(token_ids: list, log_probs: list, *, is_unmodified: bool, versio
         if lps is None or len(lps) != len(ids):
             raise RuntimeError("vLLM returned no log-prob per sampled token; was logprobs=0 changed?")
     lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
-    n, T = len(token_ids), int(lengths.max())
+    n, T = len(token_ids), max(int(lengths.max()), 1)
     mask = torch.arange(T) < lengths[:, None]  # (n, T)
     actions = torch.zeros(n, T, dtype=torch.int64)
     actions[mask] = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
     out = torch.zeros(n, T)
     out[mask] = torch.tensor(list(itertools.chain.from_iterable(log_probs)), dtype=torch.float32)
-    return WaveResult(actions, lengths, out, out if is_unmodified else None, version)
+    done = None if finished is None or all(finished) else torch.tensor(finished, dtype=torch.bool)
+    return WaveResult(actions, lengths, out, out if is_unmodified else None, version, finished=done)

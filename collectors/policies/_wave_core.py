@@ -7,14 +7,15 @@ once for every backend (:func:`weight_sync_of`, :func:`update_tensors`, :func:`f
 adapter (engines that take adapters), or the base checkpoint with the adapter merged (engines that do not).
 
 Partial rollouts (a wave interrupted by new weights) have one place to go: a wave is one ``send_wave`` under
-``wave_lock``, so a backend whose engine can be stopped (the dialect's ``abort``) returns the rows it has there, and
-the result marks them unfinished (``WaveResult.finished``).
+``wave_lock``; it stops early when :meth:`WaveCore.should_stop` says so (``interrupt`` set, or enough rows ended:
+over-sampling), the engine's unfinished requests are aborted with the tokens they have, and the result marks those rows
+unfinished (``WaveResult.finished``): the env continues them in the next wave.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from tokengym.collectors.policies._lora_sync import check_not_adapter
 from tokengym.collectors.policies._vllm_engine import read_checkpoint, weight_items
@@ -91,6 +92,9 @@ class WaveCore:
         self.is_unmodified = is_unmodified(self.sampling)
         self.wave_lock = threading.Lock()
         """Held by a wave and by a weight update: they never overlap in this process."""
+        self.interrupt = threading.Event()
+        """Set (by a collector, when weights are published during a wave: partial rollouts), the wave in progress stops
+        early: the dialect stops the engine's requests and the rows keep the tokens they have (unfinished rows)."""
 
     # -- generation --
     def generate(self, request: WaveRequest) -> WaveResult:
@@ -110,7 +114,28 @@ class WaveCore:
         self.seeds.advance(n)  # only once the wave is complete: a failed wave is sent again with the same seeds
         replies = [self.dialect.reply(a) for a in answers]
         return wave_result([r[0] for r in replies], [r[1] for r in replies], is_unmodified=self.is_unmodified,
-                           version=version)  # fmt: skip
+                           version=version, finished=[self.dialect.finished(a) for a in answers])  # fmt: skip
+
+    def should_stop(self, request: WaveRequest) -> Callable[[int], bool]:
+        """Whether the wave of ``request`` stops now, given how many of its rows have finished: ``interrupt`` is set
+        (weights published during the wave), or ``request.min_finished`` rows ended (over-sampling). An engine checks
+        it between its steps (its first check before the first step), then aborts the rows not finished.
+
+        Example:
+            >>> import torch
+            >>> core = WaveCore(env=None)
+            >>> request = WaveRequest(torch.arange(3), [torch.ones(2, dtype=torch.int64)] * 3, torch.full((3,), 4), (0,),
+            ...                       min_finished=2)
+            >>> stop = core.should_stop(request)
+            >>> stop(1), stop(2)
+            (False, True)
+            >>> core.interrupt.set(); stop(0)
+            True
+        """
+        k, interrupt = request.min_finished, self.interrupt
+        if k is None or k >= len(request):  # every row runs to its end unless interrupted
+            return lambda finished: interrupt.is_set()
+        return lambda finished: interrupt.is_set() or finished >= k
 
     def check_open(self) -> None:
         """Hook: ``RuntimeError`` once the backend is closed."""

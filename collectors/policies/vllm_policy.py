@@ -16,6 +16,11 @@ Log-prob semantics (the engine runs with vLLM's ``logprobs_mode="processed_logpr
 Termination stays the env's: vLLM stops on the env's EOS ids (its own EOS is ignored), on the stop
 strings when the engine has a tokenizer, and at each slot's budget; :meth:`TokenEnv.unroll` re-checks
 every rule on the returned tokens.
+
+Partial rollouts: a wave drives the engine step by step, as ``LLM.generate`` does (the same requests, so the same
+tokens), and can stop between two steps: when weights are published during it (``interrupt``, set by the collector) or
+once ``WaveRequest.min_finished`` rows ended (over-sampling). The rows not finished are aborted and come back with the
+tokens and log-probs they have (``WaveResult.finished``); the env continues each in the next wave, under the new weights.
 """
 
 from __future__ import annotations
@@ -115,7 +120,8 @@ class VLLMPolicy(WaveCore):
             check_logprobs_mode(engine_kwargs.get("logprobs_mode", "processed_logprobs"), self.is_unmodified)
             if lora is not None:
                 engine_kwargs = lora_engine_kwargs(engine_kwargs, lora)
-            self.llm = start_engine(model, max_model_len=int(self.env.max_length), seed=seed, engine_kwargs=engine_kwargs)
+            self.llm = start_engine(model, max_model_len=int(self.env.max_length), seed=seed, engine_kwargs=engine_kwargs,
+                                    max_rows=int(self.env.batch_size[0]))  # fmt: skip
             self.is_engine_owned = True
         elif isinstance(model, self._vllm.LLM):
             if engine_kwargs:
@@ -177,7 +183,7 @@ class VLLMPolicy(WaveCore):
     def send_wave(self, request: WaveRequest, rows: list) -> tuple[list, int]:
         with self.wave_lock:
             adapter = None if self.adapters is None else self.adapters.request
-            return self.dialect.generate(rows, adapter), self.version
+            return self.dialect.generate(rows, adapter, should_stop=self.should_stop(request)), self.version
 
     # -- weights --
     def push_weights(self, weights, version: int) -> None:

@@ -24,7 +24,12 @@ from pathlib import Path
 from tokengym.collectors.policies._dialect import ServerDialect, check_dialect
 from tokengym.collectors.policies._lora_servers import ServerAdapters
 from tokengym.collectors.policies._lora_sync import check_not_adapter, tensor_bytes
-from tokengym.collectors.policies._server_options import NoServerError, RequestRejected, ServerOptions
+from tokengym.collectors.policies._server_options import (
+    NoServerError,
+    RequestRejected,
+    ServerOptions,
+    WaveStop,
+)
 from tokengym.collectors.policies._server_weights import FleetLock, WeightTransport, load_call
 from tokengym.collectors.policies._vllm_dialect import VLLMServerDialect
 from tokengym.collectors.policies._vllm_engine import checkpoint_shapes, tied_outputs
@@ -60,6 +65,12 @@ class VLLMServerPolicy(WaveCore):
     marked down is tried again after ``options.retry_down_after_s`` and used only once it holds the current
     weights. With no server left, :class:`NoServerError` names each server and its last failure; the wave's
     request counter is not advanced, so a checkpoint taken then resumes exactly.
+
+    Partial rollouts: requests are streamed, so when weights are published from another thread during a wave (the
+    collector sets :attr:`interrupt`) or enough rows have ended (``WaveRequest.min_finished``, over-sampling), the
+    requests in flight are aborted and each row comes back unfinished with the tokens it received, stamped with the
+    wave's version; the next wave continues it (under the new weights). A server that fails mid-stream is not an
+    abort: its rows go on on another server from the tokens they received (budget reduced, same seed).
 
     Args:
         urls: base URL of each server (``"http://host:8000"``), or one URL.
@@ -130,7 +141,7 @@ class VLLMServerPolicy(WaveCore):
         self.transport = self.options.transport or self.dialect.transport(self.options.weights_dir)
         self.fleet_lock = FleetLock(self.lock_dir)
         self._httpx, fleet_class = _http()
-        self.fleet = fleet_class(urls, options=self.options, generate_path=self.dialect.generate_path)
+        self.fleet = fleet_class(urls, self.dialect, options=self.options)
         self.fleet.revive = self._revive
         try:
             self._check_servers()
@@ -181,8 +192,12 @@ class VLLMServerPolicy(WaveCore):
         with self.wave_lock, self.fleet_lock.shared() as (fleet_version, handle):
             if self.adapters is not None:  # name the adapter the servers hold
                 self.adapters.name_requests(rows, handle)
-            answers = self.fleet.complete(rows, self._sticky_keys(request))
-        # stamped with the version the servers hold (a process sharing them may have loaded newer weights)
+            # streamed: an interrupt (new weights published) or enough rows ended stops the wave, and the rows in
+            # flight keep what they received (unfinished: the next wave continues them under the new weights)
+            until = WaveStop(self.interrupt, request.min_finished)
+            answers = self.fleet.complete(rows, self._sticky_keys(request), until)
+        # stamped with the version the servers hold (a process sharing them may have loaded newer weights; it
+        # waited for this wave: no token of it was sampled under weights loaded during it)
         return answers, max(self.version, fleet_version)
 
     def _sticky_keys(self, request: WaveRequest) -> list:

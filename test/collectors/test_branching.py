@@ -216,14 +216,15 @@ def test_a_turn_rule_forks_multi_turn_episodes_at_turn_boundaries(tokenizer):
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"mode": "steps", "batch_size": 4}, "mode='trajectories'"), ({"source": "wave"}, "source='step'")],
-)
-def test_trees_need_trajectories_from_steps(tokenizer, kwargs, match):
+    [({"mode": "steps", "batch_size": 4}, "mode='trajectories'"),
+     ({"source": "wave", "options": CollectorOptions(tree=SegmentRule(), over_sampling=True)}, "over_sampling off")],
+)  # fmt: skip
+def test_trees_need_trajectories_and_no_over_sampling(tokenizer, kwargs, match):
     model = tiny_model(tokenizer, seed=0)
     env = TokenEnv(PROMPTS, tokenizer, batch_size=8, group_size=4, max_new_tokens=8, max_length=64)
-    args = {"mode": "trajectories", "batch_size": 4, **kwargs}
+    args = {"mode": "trajectories", "batch_size": 4, "options": CollectorOptions(tree=SegmentRule()), **kwargs}
     with pytest.raises(ValueError, match=match):
-        TokenCollector(env, TransformersPolicy(model, env), options=CollectorOptions(tree=SegmentRule()), **args)
+        TokenCollector(env, TransformersPolicy(model, env), **args)
 
 
 def test_trees_need_groups_that_fit_and_a_rule(tokenizer):
@@ -237,3 +238,51 @@ def test_trees_need_groups_that_fit_and_a_rule(tokenizer):
         CollectorOptions(tree="segment")
     with pytest.raises(ValueError, match="width must be an int >= 2"):
         SegmentRule(4, 1)
+
+
+def test_the_shared_prefix_layout_packs_a_trees_shared_tokens_once(tokenizer):
+    """The training layout that computes shared prefixes once (to_shared_prefix) packs a tree's leaves into one row
+    whose shared segments appear once: no more tokens than the prompt plus the tokens the tree sampled."""
+    from tokengym.transforms import to_padded, to_shared_prefix
+
+    collector = make_collector(tokenizer, SegmentRule(3, 2), eos=[511], max_new_tokens=12)
+    batch = next(iter(collector))
+    padded = to_padded(batch)
+    layout = to_shared_prefix(padded)
+    mask = batch[keys.MASK]
+    sampled = int((mask & (batch[keys.BRANCH_ID] == batch[keys.TRAJ_ID])).sum())  # each tree token once
+    prompt = int((padded[keys.ATTENTION_MASK] & ~padded[keys.ACTION_MASK])[0].sum())
+    packed = int((layout.segment_ids >= 0).sum())
+    assert layout.tokens.shape[0] == 1  # one tree, one pack
+    assert packed <= prompt + sampled < int(padded[keys.ATTENTION_MASK].sum())
+
+
+def test_trees_under_async_collection_keep_every_token_under_its_version(tokenizer):
+    """AsyncCollector around a tree collector, new weights after each batch: branches forked after an update copy the
+    re-prefilled cache rows; every leaf token's log-prob is teacher-forced under the version stamped on it."""
+    import copy
+
+    from tokengym.collectors import AsyncCollector
+
+    model = tiny_model(tokenizer, seed=0)
+    published = {0: copy.deepcopy(model)}
+    inner = make_collector(tokenizer, SegmentRule(3, 2), model=copy.deepcopy(model), max_new_tokens=10)
+    seen = set()
+    with AsyncCollector(inner, max_staleness=2, stale_tokens="mask") as collector:
+        for i, batch in enumerate(collector):
+            check_tree_batch(batch, 4)
+            version, mask = batch[keys.POLICY_VERSION], batch[keys.MASK]
+            for v in version[mask].unique().tolist():
+                forced = TransformersPolicy(published[v], inner.base_env).teacher_forced_log_probs(batch)
+                rows = (version == v) & mask
+                torch.testing.assert_close(batch[keys.ACTION_LOG_PROB][rows], forced[rows], atol=2e-5, rtol=0)
+                seen.add(v)
+            if i == 3:
+                break
+            new = copy.deepcopy(published[len(published) - 1])
+            with torch.no_grad():
+                for p in new.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
+            published[len(published)] = new
+            collector.update_policy_weights_(new.state_dict())
+    assert len(seen) > 1  # batches held tokens of several versions

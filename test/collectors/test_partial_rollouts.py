@@ -211,3 +211,27 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(tokenizer):
     continued = [(row, t) for a in expected for row, t in enumerate(a[keys.TRAJ_ID][:, 0].tolist()) if t in open_rows
                  and int(a[keys.MASK][row].sum()) > open_rows[t]]  # fmt: skip
     assert continued  # rows in flight at the checkpoint went on from their tokens
+
+
+class _PublishTwice(PublishAfter):
+    """Publishes at the k-th and the (k + 1)-th check: the second update lands as the next wave starts."""
+
+    def is_set(self) -> bool:
+        if self.checks == self.k and not getattr(self, "again", False):  # the k-th check published: once more
+            self.k, self.again = self.k + 1, True
+        return super().is_set()
+
+
+def test_a_second_update_as_the_next_wave_starts_keeps_every_token(tokenizer):
+    """The first update stops the wave; the second lands at the next wave's first check, so that wave generates
+    nothing: it records nothing, and the rows go on under the newest weights."""
+    model = tiny_model(tokenizer, seed=0)
+    new = perturbed(model, 1)
+    env = TokenEnv(PROMPTS, tokenizer, batch_size=4, max_new_tokens=12, max_length=32, group_size=2)
+    policy = TransformersPolicy(copy.deepcopy(model), env, seed=1)
+    policy.interrupt = _PublishTwice(5, lambda: collector.update_policy_weights_(new.state_dict()))
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=8, source="wave")
+    batch = next(iter(collector))
+    assert policy.version == 2 and collector.metrics["dropped_tokens"] == 0
+    assert_log_probs_under_their_versions(batch, {0: model, 1: new, 2: new}, env)
+    assert set(batch[keys.POLICY_VERSION][batch[keys.MASK]].tolist()) == {0, 2}

@@ -343,3 +343,24 @@ def test_a_failing_postproc_on_the_driver_loses_nothing():
         batches += list(it)  # the round whose postproc raised comes first
     assert len(calls) == len(batches) + 1
     _check_against_source(batches, 2)
+
+
+def test_workers_grow_trees_and_their_ids_stay_consistent():
+    """CollectorOptions(tree=...) reaches every worker: whole trees per batch, a leaf's ancestors' ids (BRANCH_ID,
+    PARENT_ID) mapped to global ids as its own trajectory id is."""
+    from tokengym.collectors import CollectorOptions, SegmentRule
+
+    env_fn = functools.partial(make_env, epochs=None, batch_size=2)
+    with RayTokenCollector(env_fn, make_policy, num_workers=2, mode="trajectories", batch_size=4,
+                           options=CollectorOptions(tree=SegmentRule(1, 2))) as collector:  # fmt: skip
+        batches = [b for b, _ in zip(collector, range(3), strict=False)]
+    for b in batches:
+        mask, traj, branch, parent = b[keys.MASK], b[keys.TRAJ_ID][:, 0], b[keys.BRANCH_ID], b[keys.PARENT_ID][:, 0]
+        groups = b[keys.GROUP_ID][:, 0]
+        for g in groups.unique().tolist():
+            rows = (groups == g).nonzero().squeeze(-1)
+            assert len(rows) == GROUP and (parent[rows] == -1).sum() == 1
+            assert set(parent[rows][parent[rows] >= 0].tolist()) <= set(traj[rows].tolist())  # parents are leaves here
+            assert set(branch[rows][mask[rows]].tolist()) <= set(traj[rows].tolist())
+        assert len(set(traj.tolist())) == len(traj)
+    assert collector.metrics["tree_forks"] > 0

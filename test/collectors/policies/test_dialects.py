@@ -35,12 +35,13 @@ SERVER_ARGS = ["--max-model-len", "128", "--kv-cache-memory-bytes", str(1 << 24)
 # -- the protocol --
 def test_the_protocols_name_what_an_engine_must_provide():
     assert set(required_members(WaveDialect)) == {"name", "max_stop_strings", "sampling_fields", "wave_fields", "row",
-                                                  "reply"}  # fmt: skip
+                                                  "reply", "finished"}  # fmt: skip
     assert set(required_members(ServerDialect)) - set(required_members(WaveDialect)) == {
         "generate_path", "health_path", "reload_hint", "inspect", "check", "check_fleet", "transport", "reset_cache",
-        "abort"}  # fmt: skip
+        "abort", "stream", "answer", "take", "received", "resume"}  # fmt: skip
+    # an engine in this process stops between its steps (generate's should_stop): no abort from another thread
     assert set(required_members(EngineDialect)) - set(required_members(WaveDialect)) == {
-        "generate", "reload", "reset_cache", "abort"}  # fmt: skip
+        "generate", "reload", "reset_cache"}  # fmt: skip
     check_dialect(VLLMServerDialect(), ServerDialect)
     check_dialect(VLLMEngineDialect(llm=None, sampling_params=dict), EngineDialect)
 
@@ -62,10 +63,11 @@ class _NoReply:
 def test_a_dialect_missing_a_member_is_refused_naming_it():
     with pytest.raises(TypeError, match=r"the _NoAbort dialect lacks abort of the ServerDialect protocol"):
         check_dialect(_NoAbort(), ServerDialect)
-    with pytest.raises(TypeError, match=r"lacks reply of the WaveDialect protocol"):
+    with pytest.raises(TypeError, match=r"lacks finished, reply of the WaveDialect protocol"):
         check_dialect(_NoReply(), WaveDialect)
-    with pytest.raises(TypeError, match=r"lacks abort, check, check_fleet, health_path, inspect, reload_hint, "
-                                        r"reply, reset_cache, transport of the ServerDialect"):  # fmt: skip
+    with pytest.raises(TypeError, match=r"lacks abort, answer, check, check_fleet, finished, health_path, inspect, "
+                                        r"received, reload_hint, reply, reset_cache, resume, stream, take, transport of "
+                                        r"the ServerDialect"):  # fmt: skip
         check_dialect(_NoReply(), ServerDialect)
     with pytest.raises(TypeError, match=r"lacks generate, reload of the EngineDialect"):
         check_dialect(VLLMServerDialect(), EngineDialect)  # a server's dialect is no in-process engine's

@@ -28,3 +28,12 @@ def test_held_out_pass_at_k_before_and_after_grpo(monkeypatch, capsys):
     lines = out.strip().splitlines()
     assert len(lines) == 5 and re.search(r"held-out \(40 problems\) after 3 GRPO iterations: +pass@1 [\d.]+, pass@8 ", lines[2])
     assert lines[3].endswith("held-out problems trained on: 0"), out
+
+
+@pytest.mark.slow
+def test_the_recipe_samples_trees_with_one_option(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [EXAMPLE.name, "--warm-start-steps", "2", "--iterations", "1", "--tree", "3,2"])
+    run = runpy.run_path(str(EXAMPLE), run_name="__main__")
+    metrics = run["collector"].metrics
+    assert metrics["trees_started"] >= 8 and metrics["tree_forks"] > 0
+    assert len(run["rows"]) == 1 and type(run["advantage"]).__name__ == "TreeAdvantage"
