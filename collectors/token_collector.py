@@ -163,6 +163,9 @@ class TokenCollector(CollectorBase):
         if base.turns.may_split:
             raise ValueError(f"{where}: {type(base.turns).__name__} may split an episode into several trajectories, "
                              "which a tree cannot follow")  # fmt: skip
+        if self.options.in_flight is InFlight.DROP:
+            raise ValueError(f"{where}: in_flight='drop' restarts the branches in flight from their prompt, out of "
+                             "their trees; keep in_flight='continue' (each token keeps the version that sampled it)")  # fmt: skip
         self.source.tree = TreeSampler(self.options.tree, base, None if is_wave else policy, self.group_size)
         self.recorder.is_tree = True
 

@@ -217,7 +217,8 @@ def test_a_turn_rule_forks_multi_turn_episodes_at_turn_boundaries(tokenizer):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"mode": "steps", "batch_size": 4}, "mode='trajectories'"),
-     ({"source": "wave", "options": CollectorOptions(tree=SegmentRule(), over_sampling=True)}, "over_sampling off")],
+     ({"source": "wave", "options": CollectorOptions(tree=SegmentRule(), over_sampling=True)}, "over_sampling off"),
+     ({"options": CollectorOptions(tree=SegmentRule(), in_flight="drop")}, "keep in_flight='continue'")],
 )  # fmt: skip
 def test_trees_need_trajectories_and_no_over_sampling(tokenizer, kwargs, match):
     model = tiny_model(tokenizer, seed=0)
