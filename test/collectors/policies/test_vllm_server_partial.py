@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from tokengym.collectors import CollectorOptions, TokenCollector
+from tokengym.collectors import CollectorOptions, SegmentRule, TokenCollector
 from tokengym.collectors.policies import LocalVLLMServer, ServerOptions, TransformersPolicy, VLLMServerPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import PublishAfter, tiny_tokenizer
@@ -281,3 +281,26 @@ def test_a_server_killed_during_a_resumed_wave_loses_nothing(fleet, make_vllm_mo
     assert batch[keys.MASK].sum(1).tolist() == [100] * 8  # each whole: no token lost or generated twice
     assert_versions_never_go_back(batch)
     assert_versions_exact(batch, published, env)
+
+
+def test_trees_on_the_fleet_share_their_parents_tokens_and_every_log_prob_is_teacher_forced(fleet):
+    """CollectorOptions(tree=...) on the servers: each wave pauses a branch at its next fork, and a branch goes on as a
+    request from its prefix; whole trees, the leaves' shared steps equal, every log-prob teacher-forced."""
+    fleet.restore()  # the original weights, on the servers that run
+    env = fleet.env(batch_size=8, group_size=4, max_new_tokens=12)
+    policy = fleet.policy(env, [s.url for s in fleet.servers if s.process is not None], seed=3)
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=4, source="wave",
+                               options=CollectorOptions(tree=SegmentRule(3, 2)))  # fmt: skip
+    try:
+        batch = next(iter(collector))
+    finally:
+        policy.close()
+    mask, branch = batch[keys.MASK], batch[keys.BRANCH_ID]
+    assert sorted(batch[keys.SAMPLE_ID][:, 0].tolist()) == [0, 1, 2, 3] and len(batch[keys.GROUP_ID][:, 0].unique()) == 1
+    assert sorted(batch[keys.FORK_INDEX][:, 0].tolist()) == [0, 3, 6, 6]  # 1 -> 2 branches at 3 tokens, -> 4 at 6
+    for i in range(4):
+        for j in range(4):
+            same = (branch[i] == branch[j]) & mask[i] & mask[j]
+            assert torch.equal(batch[keys.ACTION][i][same], batch[keys.ACTION][j][same])
+    forced = TransformersPolicy(fleet.model, env).teacher_forced_log_probs(batch)
+    torch.testing.assert_close(batch[keys.ACTION_LOG_PROB][mask], forced[mask], atol=2e-4, rtol=0)
