@@ -23,6 +23,7 @@ __all__ = ["SourceKind", "StepSource", "WaveSource", "make_source"]
 _NEXT_SKIP = (keys.TRAJ_ID, keys.GROUP_ID, keys.SAMPLE_ID, keys.ACTIVE)
 _ROOT_SKIP = (keys.NEXT, keys.RESET, keys.REWARD[1], *keys.DONE_KEYS)  # done flags live under "next"
 _NEXT = keys.NEXT
+_NEXT_SKIP_FLAT = frozenset(f"{_NEXT}.{name}" for name in _NEXT_SKIP)  # the same, by flat name
 
 
 def _base(env):
@@ -217,24 +218,26 @@ class WaveSource:
         result = self.policy.generate(request)
         self.last_interrupted = 0 if result.finished is None else int((~result.finished).sum())
         if self.cells:
-            steps, counts = self.env.unroll_cells(request, result)
-            if int(counts.sum()) == 0:  # interrupted before its first token (an update landed as it started)
-                self.done = torch.zeros_like(self.done)
-                return {}, refilled, None
-            self.last_steps = max(int(counts.max()), 1)
-            live = (counts > 0).nonzero().squeeze(-1)
-            done = steps.get(_NEXT).get(keys.DONE[1]).reshape(-1)
+            out, steps, counts = self._cells(request, result)
             self.done = torch.zeros_like(self.done)
-            self.done[live] = done[counts.cumsum(0).index_select(0, live) - 1]  # each slot's last step
-            out = Cells({flat_name(k): v for k, v in steps.items(include_nested=True, leaves_only=True)}, counts)
-        else:
-            steps = self.env.unroll(request, result, width=self.width)
-            self.last_steps = max(int(steps.get(keys.ACTIVE).any(0).sum()), 1) if self.width else steps.shape[1]
-            self.done = steps.get(_NEXT).get(keys.DONE[1]).squeeze(-1).any(1)
-            out = {flat_name(k): v for k, v in steps.items(include_nested=True, leaves_only=True)}
-        for name in _NEXT_SKIP:
-            out.pop(f"{_NEXT}.{name}", None)
-        return out, refilled, None
+            if out:
+                live = (counts > 0).nonzero().squeeze(-1)
+                done = steps.get(_NEXT).get(keys.DONE[1]).reshape(-1)
+                self.done[live] = done[counts.cumsum(0).index_select(0, live) - 1]  # each slot's last step
+            return out, refilled, None
+        steps = self.env.unroll(request, result, width=self.width)
+        self.last_steps = max(int(steps.get(keys.ACTIVE).any(0).sum()), 1) if self.width else steps.shape[1]
+        self.done = steps.get(_NEXT).get(keys.DONE[1]).squeeze(-1).any(1)
+        return _flat(steps.items(include_nested=True, leaves_only=True)), refilled, None
+
+    def _cells(self, request, result) -> tuple[dict, TensorDict, torch.Tensor]:
+        """The wave's real steps (:class:`Cells`), the env's steps and each slot's count; the chunk is empty (``{}``:
+        nothing to record) for a wave stopped before its first token (an update landed as it started)."""
+        steps, counts = self.env.unroll_cells(request, result)
+        if int(counts.sum()) == 0:
+            return {}, steps, counts
+        self.last_steps = int(counts.max())
+        return Cells(_flat(steps.items(include_nested=True, leaves_only=True)), counts), steps, counts
 
     def _advance_tree(self) -> tuple[dict, list[int], PromptError | None]:
         """One wave of the trees' live branches, each paused at its rule's next fork (a row capped there and left
@@ -260,11 +263,9 @@ class WaveSource:
             if bool(paused.any()):
                 finished = ~paused if result.finished is None else result.finished & ~paused
                 result = dataclasses.replace(result, finished=finished)
-        steps, counts = env.unroll_cells(request, result)
-        self.last_steps = max(int(counts.max()), 1)
-        out = Cells({flat_name(k): v for k, v in steps.items(include_nested=True, leaves_only=True)}, counts)
-        for name in _NEXT_SKIP:
-            out.pop(f"{_NEXT}.{name}", None)
+        out, steps, counts = self._cells(request, result)
+        if not out:  # nothing generated: nothing to fork either
+            return out, [], None
         _, roots, out.forks, error = self.tree.after_wave(steps, counts)
         return out, roots, error
 
@@ -286,6 +287,11 @@ class WaveSource:
         self.done = state["done"]
         if self.tree is not None and state.get("tree") is not None:
             self.tree.load_state_dict(state["tree"])
+
+
+def _flat(items) -> dict:
+    """A wave's steps by flat name, without the ids and ``active`` its ``"next"`` repeats (constant within a step)."""
+    return {name: v for k, v in items if (name := flat_name(k)) not in _NEXT_SKIP_FLAT}
 
 
 def make_source(kind: SourceKind | str | None, env, policy) -> StepSource | WaveSource:

