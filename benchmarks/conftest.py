@@ -9,13 +9,16 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: the suites import _publishing
 
 # benchmarks/gpu/ holds the GPU machine's script (run by run.sh, not by pytest): --doctest-modules would import it
 collect_ignore_glob = ["gpu/*"]

@@ -21,6 +21,7 @@ import time
 
 import pytest
 import torch
+from _publishing import CONTESTANTS, moved_weights
 
 from tokengym.collectors import AsyncCollector, CollectorOptions, TokenCollector
 from tokengym.collectors.policies import TransformersPolicy
@@ -29,19 +30,7 @@ from tokengym.testing import tiny_model, tiny_tokenizer
 
 ROUNDS, BATCHES = 3, 6
 PROMPTS = [f"{a}+{b}=" for a in range(10) for b in range(10)]
-CONTESTANTS = {  # name -> (partial_rollouts, in_flight, publish)
-    "partial rollouts": (True, "continue", True),
-    "interrupted, in_flight='drop'": (True, "drop", True),
-    "update at the wave's end": (False, "continue", True),
-    "no updates": (True, "continue", False),
-}
 _LINES: list[str] = []  # the tables, printed at the end of the module
-
-
-def _weights(model, step: int) -> dict:
-    gen = torch.Generator().manual_seed(step)
-    return {k: v + torch.randn(v.shape, generator=gen) * 1e-3 if v.is_floating_point() else v
-            for k, v in model.state_dict().items()}  # fmt: skip
 
 
 def _run(tok, model, partial: bool, in_flight: str, publish: bool) -> dict:
@@ -55,7 +44,7 @@ def _run(tok, model, partial: bool, in_flight: str, publish: bool) -> dict:
         for i, batch in enumerate(collector):
             tokens += int(batch[keys.MASK].sum())
             if publish:  # the trainer takes no time: the collector is generating when the weights arrive
-                collector.update_policy_weights_(_weights(model, i))
+                collector.update_policy_weights_(moved_weights(model, i))
             if i == BATCHES - 1:
                 break
         seconds = time.perf_counter() - start

@@ -26,6 +26,7 @@ import time
 
 import pytest
 import torch
+from _publishing import CONTESTANTS, moved_weights
 from vllm import SamplingParams
 
 from tokengym.collectors import AsyncCollector, CollectorOptions, TokenCollector
@@ -40,12 +41,6 @@ ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 128 << 20, "max_model_
 PROMPTS = [f"{a}+{b}=" for a in range(10) for b in range(10)]
 B_RAW, NEW_TOKENS, RAW_ROUNDS = 64, 128, 7
 ROUNDS, BATCHES = 3, 6
-CONTESTANTS = {  # name -> (partial_rollouts, in_flight, publish)
-    "partial rollouts": (True, "continue", True),
-    "interrupted, in_flight='drop'": (True, "drop", True),
-    "update at the wave's end": (False, "continue", True),
-    "no updates": (True, "continue", False),
-}
 _LINES: list[str] = []
 
 
@@ -115,12 +110,6 @@ def test_stepped_engine_against_llm_generate(engine, interleaved, benchmark):
 
 
 # -- tokens discarded per update --
-def _weights(model, step: int) -> dict:
-    gen = torch.Generator().manual_seed(step)
-    return {k: v + torch.randn(v.shape, generator=gen) * 1e-3 if v.is_floating_point() else v
-            for k, v in model.state_dict().items()}  # fmt: skip
-
-
 def _run(engine, partial: bool, in_flight: str, publish: bool) -> dict:
     tok, model, owner = engine
     owner.update_weights(model.state_dict())  # every contestant starts from the same weights
@@ -133,7 +122,7 @@ def _run(engine, partial: bool, in_flight: str, publish: bool) -> dict:
         for i, batch in enumerate(collector):
             tokens += int(batch[keys.MASK].sum())
             if publish:
-                collector.update_policy_weights_(_weights(model, i))
+                collector.update_policy_weights_(moved_weights(model, i))
             if i == BATCHES - 1:
                 break
         seconds = time.perf_counter() - start

@@ -27,6 +27,7 @@ import time
 
 import pytest
 import torch
+from _publishing import CONTESTANTS, moved_weights
 
 from tokengym.collectors import AsyncCollector, CollectorOptions, TokenCollector
 from tokengym.collectors.policies import LocalVLLMServer, ServerOptions, VLLMServerPolicy
@@ -39,12 +40,6 @@ torch.set_num_threads(1)
 B, NEW_TOKENS, MAX_LEN, GROUP = 64, 128, 192, 4
 ROUNDS, BATCHES = 3, 4
 SERVER_ARGS = ["--max-model-len", str(MAX_LEN), "--kv-cache-memory-bytes", str(256 << 20)]
-CONTESTANTS = {  # name -> (partial_rollouts, in_flight, publish)
-    "partial rollouts": (True, "continue", True),
-    "interrupted, in_flight='drop'": (True, "drop", True),
-    "update at the wave's end": (False, "continue", True),
-    "no updates": (True, "continue", False),
-}
 _LINES: list[str] = []
 
 
@@ -67,12 +62,6 @@ class _StampedPolicy(VLLMServerPolicy):
     def send_wave(self, request, rows):
         self.dialect.version = self.version  # the version this wave samples under
         return super().send_wave(request, rows)
-
-
-def _weights(model, step: int) -> dict:
-    gen = torch.Generator().manual_seed(step)
-    return {k: v + torch.randn(v.shape, generator=gen) * 1e-3 if v.is_floating_point() else v
-            for k, v in model.state_dict().items()}  # fmt: skip
 
 
 def _prompts(tok) -> list[str]:
@@ -100,7 +89,7 @@ def _run(tok, model, servers, partial: bool, in_flight: str, publish: bool) -> d
                 break
             if publish:  # the trainer takes no time: the collector is generating when the weights arrive
                 at = time.perf_counter()
-                published[collector.update_policy_weights_(_weights(model, i))] = at
+                published[collector.update_policy_weights_(moved_weights(model, i))] = at
         seconds = time.perf_counter() - start
         metrics = dict(collector.metrics)
     first = policy.dialect.first_chunk_at

@@ -281,13 +281,13 @@ class TreeSampler:
         nxt = td.get(keys.NEXT)
         steps_t = nxt.get(keys.RESPONSE_LEN)
         active = td.get(keys.ACTIVE)
+        rows = active.nonzero().squeeze(-1)
         if self.surprise is not None:
-            rows = active.nonzero().squeeze(-1)
             at = (steps_t[rows] - 1).clamp(min=0, max=self.surprise.shape[1] - 1)
             self.surprise[rows, at] = -td.get(keys.ACTION_LOG_PROB)[rows].float()
         ended_set = set(ended)
         tree_of = self.tree_of
-        slots = [b for b in active.nonzero().squeeze(-1).tolist() if tree_of[b] != -1]
+        slots = [b for b in rows.tolist() if tree_of[b] != -1]
         turn_ended = set()
         if self.env.max_turns > 1:
             moved = (nxt.get(keys.TURN) != td.get(keys.TURN)) & active

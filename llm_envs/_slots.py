@@ -18,6 +18,7 @@ _KEYS = (keys.TOKEN, keys.SEQ_LEN, keys.PROMPT_LEN, keys.RESPONSE_LEN, keys.TURN
 
 
 _INT_KEYS = _KEYS[:-1]  # every key but ``active`` (bool): one (K, B) int64 table, its rows the state's tensors
+_ROW = {key: i for i, key in enumerate(_INT_KEYS)}  # a key's row of that table
 _SMALL = 8  # at most this many prompts: one slice write each (cheaper than building row/column index tensors)
 
 
@@ -214,12 +215,11 @@ class Slots:
         trajs = list(range(self.next_traj, self.next_traj + len(children)))
         self.next_traj += len(children)
         columns = self.table[:, parent, None].repeat(1, len(children))
-        at = {key: i for i, key in enumerate(_INT_KEYS)}
-        columns[at[keys.TOKEN]] = self.tokens[parent, length - 1]
-        columns[at[keys.SEQ_LEN]] = length
-        columns[at[keys.RESPONSE_LEN]] = steps
-        columns[at[keys.TRAJ_ID]] = torch.tensor(trajs)
-        columns[at[keys.SAMPLE_ID]] = torch.tensor(samples)
+        columns[_ROW[keys.TOKEN]] = self.tokens[parent, length - 1]
+        columns[_ROW[keys.SEQ_LEN]] = length
+        columns[_ROW[keys.RESPONSE_LEN]] = steps
+        columns[_ROW[keys.TRAJ_ID]] = torch.tensor(trajs)
+        columns[_ROW[keys.SAMPLE_ID]] = torch.tensor(samples)
         self.table[:, rows] = columns  # live: copy_on_write stacked it
         self.state[keys.ACTIVE][rows] = True
         self.done[rows] = False

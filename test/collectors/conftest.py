@@ -1,10 +1,15 @@
-"""Fixtures for collector tests: a tiny model, prompts of different lengths, env/policy builders."""
+"""Fixtures for collector tests: a tiny model, prompts of different lengths, env/policy builders, a local Ray."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from tokengym.collectors.policies import SamplingConfig, TransformersPolicy
 from tokengym.llm_envs import TokenEnv
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: the tests import collector_helpers
 
 PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]
 
@@ -52,3 +57,16 @@ def _random_policy(vocab: int, seed: int = 0):
 @pytest.fixture
 def prompts():
     return list(PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray for a module (``pytestmark = pytest.mark.usefixtures("local_ray")``), shut down after it."""
+    import ray
+
+    with pytest.MonkeyPatch.context() as mp:
+        # Ray kills workers when the *machine* runs low on memory; other jobs on a shared CI box must not fail these
+        mp.setenv("RAY_memory_monitor_refresh_ms", "0")
+        ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        yield
+        ray.shutdown()

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from collector_helpers import PublishTwice
 from transformers import Qwen2ForCausalLM
 
 from tokengym.collectors import CollectorOptions, TokenCollector
@@ -13,7 +14,7 @@ from tokengym.collectors.branching import EntropyRule, SegmentRule, TurnRule
 from tokengym.collectors.policies import TransformersPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.llm_envs.turns import Turn, TurnHandler
-from tokengym.testing import PublishAfter, tiny_model
+from tokengym.testing import tiny_model
 
 PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]
 EOS = list(range(1, 512, 29))  # enough end ids that branches end at different lengths
@@ -201,7 +202,6 @@ ENGINE = {
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tokenizer):
-    pytest.importorskip("vllm")
     from tokengym.collectors.policies.vllm_policy import VLLMPolicy
 
     config = tiny_model(tokenizer, family="qwen2").config
@@ -262,12 +262,6 @@ def test_a_second_update_as_a_tree_wave_starts_keeps_every_token(tokenizer):
     """The first update stops a tree's wave; the second lands at the next wave's first check, so that wave generates
     nothing: it records nothing, and the branches go on under the newest weights."""
     model = tiny_model(tokenizer, seed=0)
-
-    class PublishTwice(PublishAfter):
-        def is_set(self) -> bool:
-            if self.checks == self.k and not getattr(self, "again", False):  # the k-th check published: once more
-                self.k, self.again = self.k + 1, True
-            return super().is_set()
 
     env = TokenEnv(PROMPTS, tokenizer, length_reward, batch_size=8, group_size=4, max_new_tokens=12, max_length=64)
     policy = TransformersPolicy(copy.deepcopy(model), env, seed=1)

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from collector_helpers import PublishTwice, assert_log_probs_under_their_versions, perturbed
 
 from tokengym.collectors import CollectorOptions, TokenCollector
 from tokengym.collectors.policies import TransformersPolicy
@@ -13,15 +14,6 @@ from tokengym.llm_envs.waves import WaveResult
 from tokengym.testing import PublishAfter, tiny_model
 
 PROMPTS = [f"{a}+{b}=" for a in range(5) for b in range(4)]
-
-
-def perturbed(model, seed: int):
-    out = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return out
 
 
 def run(tokenizer, *, partial: bool, k: int = 5, mode: str = "trajectories", in_flight: str = "continue"):
@@ -34,14 +26,6 @@ def run(tokenizer, *, partial: bool, k: int = 5, mode: str = "trajectories", in_
                                options=CollectorOptions(partial_rollouts=partial, in_flight=in_flight))  # fmt: skip
     batch = next(iter(collector))
     return batch, collector, env, {0: model, 1: new}
-
-
-def assert_log_probs_under_their_versions(batch, published, env):
-    version, mask = batch[keys.POLICY_VERSION], batch[keys.MASK]
-    for v in version[mask].unique().tolist():
-        forced = TransformersPolicy(published[v], env).teacher_forced_log_probs(batch)
-        rows = (version == v) & mask
-        torch.testing.assert_close(batch[keys.ACTION_LOG_PROB][rows], forced[rows], atol=2e-5, rtol=0)
 
 
 def test_an_update_mid_wave_keeps_the_prefix_and_continues_under_the_new_version(tokenizer):
@@ -213,15 +197,6 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(tokenizer):
     assert continued  # rows in flight at the checkpoint went on from their tokens
 
 
-class _PublishTwice(PublishAfter):
-    """Publishes at the k-th and the (k + 1)-th check: the second update lands as the next wave starts."""
-
-    def is_set(self) -> bool:
-        if self.checks == self.k and not getattr(self, "again", False):  # the k-th check published: once more
-            self.k, self.again = self.k + 1, True
-        return super().is_set()
-
-
 def test_a_second_update_as_the_next_wave_starts_keeps_every_token(tokenizer):
     """The first update stops the wave; the second lands at the next wave's first check, so that wave generates
     nothing: it records nothing, and the rows go on under the newest weights."""
@@ -229,7 +204,7 @@ def test_a_second_update_as_the_next_wave_starts_keeps_every_token(tokenizer):
     new = perturbed(model, 1)
     env = TokenEnv(PROMPTS, tokenizer, batch_size=4, max_new_tokens=12, max_length=32, group_size=2)
     policy = TransformersPolicy(copy.deepcopy(model), env, seed=1)
-    policy.interrupt = _PublishTwice(5, lambda: collector.update_policy_weights_(new.state_dict()))
+    policy.interrupt = PublishTwice(5, lambda: collector.update_policy_weights_(new.state_dict()))
     collector = TokenCollector(env, policy, mode="trajectories", batch_size=8, source="wave")
     batch = next(iter(collector))
     assert policy.version == 2 and collector.metrics["dropped_tokens"] == 0

@@ -68,19 +68,7 @@ class CountingReward:
         return exact_match(responses, prompts, metadata)
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray(monkeypatch_module):
-    # Ray kills workers when the *machine* runs low on memory; other jobs on a shared CI box must not fail these
-    monkeypatch_module.setenv("RAY_memory_monitor_refresh_ms", "0")
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # one local Ray for the module (conftest)
 
 
 def _rows(batches):

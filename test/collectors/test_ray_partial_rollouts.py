@@ -15,6 +15,7 @@ import threading
 import pytest
 import ray  # noqa: E402 - the "ray" extra; `make test` installs it
 import torch
+from collector_helpers import assert_log_probs_under_their_versions as under_their_versions
 from ray import cloudpickle  # noqa: E402
 from ray.util.queue import Queue  # noqa: E402
 
@@ -101,19 +102,7 @@ def trainer(collector, ready, weights):
     return trainer_thread(publish)
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray(monkeypatch_module):
-    # Ray kills workers when the *machine* runs low on memory; other jobs on a shared CI box must not fail these
-    monkeypatch_module.setenv("RAY_memory_monitor_refresh_ms", "0")
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # one local Ray for the module (conftest)
 
 
 @pytest.fixture
@@ -131,12 +120,7 @@ def published():
 
 
 def assert_log_probs_under_their_versions(batch, published):
-    env = make_env()
-    version, mask = batch[keys.POLICY_VERSION], batch[keys.MASK]
-    for v in version[mask].unique().tolist():
-        forced = TransformersPolicy(published[v], env).teacher_forced_log_probs(batch)
-        rows = (version == v) & mask
-        torch.testing.assert_close(batch[keys.ACTION_LOG_PROB][rows], forced[rows], atol=2e-5, rtol=0)
+    under_their_versions(batch, published, make_env())
 
 
 def assert_whole_groups(batch):
