@@ -9,6 +9,10 @@ segment rule (TreePO: ``SegmentRule(32, 2)``, forks at tokens 32, 64, 96) and th
 sampled once: the steps whose ``keys.BRANCH_ID`` is the row's own trajectory). Two length regimes: ``long`` (one end
 id of 512: most leaves run to the 256-token cap) and ``spread`` (4 end ids: lengths spread, mean about 100).
 
+A second, smaller configuration (``test_time_per_leaf_at_b32_g8_96_tokens``): B = 32, groups of 8, 96 new tokens,
+``SegmentRule(16, 2)`` (forks at 16, 32, 48), the same two regimes (4 end ids at 96 tokens: lengths spread); 32 leaves
+per contestant and round. Short leaves and small batches are where the trees' fixed costs show.
+
 The fork's cost: ``TokenEnv.fork`` plus ``TransformersPolicy.fork`` (the cache rows copied) of a slot holding 512 and
 2,048 tokens, against the same branch prefilled from scratch by the policy (no row copy); medians of 10.
 """
@@ -16,6 +20,7 @@ The fork's cost: ``TokenEnv.fork`` plus ``TransformersPolicy.fork`` (the cache r
 from __future__ import annotations
 
 import datetime
+import functools
 import platform
 import statistics
 import time
@@ -43,21 +48,32 @@ def _report(write_uncaptured):
         write_uncaptured(lambda write: [write(line) for line in _LINES])
 
 
-def _leaves(tok, model, rule, eos) -> dict:
-    env = TokenEnv(PROMPTS, tok, batch_size=64, group_size=8, max_new_tokens=256, max_length=300, eos_token_ids=eos,
-                   model_config=model.config)  # fmt: skip
+def _leaves(tok, model, rule, eos, *, slots: int = 64, new_tokens: int = 256, batches: int = 1) -> dict:
+    """Tokens and time per leaf of the first batch; with ``batches > 1`` also the time per leaf of the next ones
+    (``s_per_leaf_after``: the steady state, where trees start at different steps)."""
+    env = TokenEnv(PROMPTS, tok, batch_size=slots, group_size=8, max_new_tokens=new_tokens, max_length=new_tokens + 44,
+                   eos_token_ids=eos, model_config=model.config)  # fmt: skip
     options = CollectorOptions(tree=None if rule is None else rule())
-    collector = TokenCollector(env, TransformersPolicy(model, env, seed=0), mode="trajectories", batch_size=64,
+    collector = TokenCollector(env, TransformersPolicy(model, env, seed=0), mode="trajectories", batch_size=slots,
                                options=options)  # fmt: skip
-    start = time.perf_counter()
+    out: dict = {}
     with torch.inference_mode():
-        batch = next(iter(collector))
-    seconds = time.perf_counter() - start
+        it = iter(collector)
+        start = time.perf_counter()
+        batch = next(it)
+        seconds = time.perf_counter() - start
+        out["env_steps"] = collector.steps_done
+        if batches > 1:
+            start = time.perf_counter()
+            for _ in range(batches - 1):
+                next(it)
+            out["s_per_leaf_after"] = (time.perf_counter() - start) / (slots * (batches - 1))
+            out["env_steps_after"] = (collector.steps_done - out["env_steps"]) / (batches - 1)
     mask = batch[keys.MASK]
     own = mask & (batch[keys.BRANCH_ID] == batch[keys.TRAJ_ID]) if rule is not None else mask
     leaves = mask.shape[0]
     return {"tokens_per_leaf": int(own.sum()) / leaves, "steps_per_leaf": int(mask.sum()) / leaves,
-            "s_per_leaf": seconds / leaves, "env_steps": collector.steps_done}  # fmt: skip
+            "s_per_leaf": seconds / leaves, **out}  # fmt: skip
 
 
 def test_tokens_and_time_per_leaf_trees_against_independent_samples():
@@ -86,6 +102,46 @@ def test_tokens_and_time_per_leaf_trees_against_independent_samples():
                           f"{med['env_steps']:.0f} |")  # fmt: skip
     assert ratios["long", "segment rule (32, 2)"] < 0.85  # leaves share their first 32-96 tokens
     assert ratios["long", "entropy rule (defaults)"] < 1.0
+
+
+SMALL = {"independent samples": None, "segment rule (16, 2)": lambda: SegmentRule(16, 2),
+         "entropy rule (defaults)": lambda: EntropyRule()}  # fmt: skip
+SMALL_REGIMES = {"long": [511], "spread": [63, 191, 319, 447]}
+STEADY = 3  # batches after the first, timed together
+
+
+def _median_ratio(runs: list[dict], base: list[dict], key: str) -> float:
+    return statistics.median(o[key] / b[key] for o, b in zip(runs, base, strict=True))
+
+
+def test_time_per_leaf_at_b32_g8_96_tokens():
+    """Trees against independent samples at B=32, 8 leaves per group, <= 96 new tokens, segments of 16 (the issue's
+    configuration): tokens and time per leaf of the first batch and of the next ``STEADY`` batches (trees start at
+    different steps there), ``ROUNDS`` interleaved rounds, medians."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, size="small", seed=0)
+    names = list(SMALL)
+    _LINES.extend(["", f"Trees vs independent samples, {datetime.date.today().isoformat()}, {platform.machine()}, torch "
+                   f"{torch.__version__}, small tiny Qwen2, step source, B=32, 8 leaves per group, <= 96 new tokens, "
+                   f"32 leaves per contestant and batch, first batch and the next {STEADY} (steady state), "
+                   f"{ROUNDS} interleaved rounds, medians", "",
+                   "| regime | contestant | generated tokens / leaf | ÷ independent | leaf length (mean) | "
+                   "s / leaf, first batch | ÷ independent | env steps | s / leaf, next batches | ÷ independent | "
+                   "env steps per batch |", "|---|---|---|---|---|---|---|---|---|---|---|"])  # fmt: skip
+    for regime, eos in SMALL_REGIMES.items():
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        _leaves(tok, model, None, eos, slots=32, new_tokens=96)  # warm-up
+        for r in range(ROUNDS):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                runs[name].append(_leaves(tok, model, SMALL[name], eos, slots=32, new_tokens=96, batches=1 + STEADY))
+        base = runs["independent samples"]
+        for name in names:
+            med = {k: statistics.median(o[k] for o in runs[name]) for k in runs[name][0]}
+            ratio = functools.partial(_median_ratio, runs[name], base)
+            _LINES.append(f"| {regime} | {name} | {med['tokens_per_leaf']:.1f} | {ratio('tokens_per_leaf'):.3f} | "
+                          f"{med['steps_per_leaf']:.1f} | {med['s_per_leaf'] * 1e3:.0f} ms | {ratio('s_per_leaf'):.2f} | "
+                          f"{med['env_steps']:.0f} | {med['s_per_leaf_after'] * 1e3:.0f} ms | "
+                          f"{ratio('s_per_leaf_after'):.2f} | {med['env_steps_after']:.0f} |")  # fmt: skip
 
 
 def _fork_cost(tok, model, context: int, copy_rows: bool) -> float:

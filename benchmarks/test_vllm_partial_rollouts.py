@@ -14,24 +14,28 @@ rotated) after a warm-up round; medians.
 
 Measured per update: the seconds from the publish to the collector generating under the new weights
 (``metrics["update_wait_s"]``), and to the first token streamed under them (the policy's dialect stamps each chunk);
-the tokens generated and then discarded (``dropped_tokens``); the sequences interrupted. Tokens/s (real tokens) and
-its ratio to "no updates" in the same round (the goal: >= 0.9 with partial rollouts). Prints a markdown table.
+the tokens generated and then discarded (``dropped_tokens``); the tokens the servers generated that the client never
+received, counted from the servers' own ``/metrics`` (``vllm:generation_tokens_total``, read before and after each run,
+less the tokens the dialect received) beside the fleet's ``server_discarded_tokens``; the sequences interrupted.
+Tokens/s (real tokens) and its ratio to "no updates" in the same round (the goal: >= 0.9 with partial rollouts).
+Prints a markdown table.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
 import statistics
 import time
 
+import httpx
 import pytest
 import torch
 from _publishing import CONTESTANTS, moved_weights
 
 from tokengym.collectors import AsyncCollector, CollectorOptions, TokenCollector
-from tokengym.collectors.policies import LocalVLLMServer, ServerOptions, VLLMServerPolicy
-from tokengym.collectors.policies._vllm_dialect import VLLMServerDialect
+from tokengym.collectors.policies import LocalVLLMServer, ServerOptions, VLLMServerDialect, VLLMServerPolicy
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import tiny_model, tiny_tokenizer
 
@@ -41,17 +45,33 @@ B, NEW_TOKENS, MAX_LEN, GROUP = 64, 128, 192, 4
 ROUNDS, BATCHES = 3, 4
 SERVER_ARGS = ["--max-model-len", str(MAX_LEN), "--kv-cache-memory-bytes", str(256 << 20)]
 _LINES: list[str] = []
+_GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$", re.M)
 
 
 class _StampedDialect(VLLMServerDialect):
-    """vLLM's server dialect that notes when the first chunk under each weights version arrived."""
+    """vLLM's server dialect that notes when the first chunk under each weights version arrived, and counts the tokens
+    it received."""
 
     def __init__(self) -> None:
-        self.version, self.first_chunk_at = 0, {}
+        self.version, self.first_chunk_at, self.received_tokens = 0, {}, 0
 
     def take(self, answer: dict, chunk: dict) -> None:
+        before = self.received(answer)
         super().take(answer, chunk)
+        self.received_tokens += self.received(answer) - before
         self.first_chunk_at.setdefault(self.version, time.perf_counter())
+
+
+def _generated(servers) -> int:
+    """The tokens the servers say they generated since they started (their ``/metrics``), once two reads agree."""
+    last = None
+    while True:
+        total = sum(int(float(m)) for s in servers for m in _GENERATED.findall(
+            httpx.get(s.url + "/metrics", headers={"Authorization": f"Bearer {s.api_key}"}).text))  # fmt: skip
+        if total == last:
+            return total
+        last = total
+        time.sleep(0.2)
 
 
 class _StampedPolicy(VLLMServerPolicy):
@@ -81,6 +101,7 @@ def _run(tok, model, servers, partial: bool, in_flight: str, publish: bool) -> d
     inner = TokenCollector(env, policy, mode="trajectories", batch_size=B, source="wave",
                            options=CollectorOptions(partial_rollouts=partial, in_flight=in_flight))  # fmt: skip
     tokens, published = 0, {}
+    generated_before = _generated(servers)
     start = time.perf_counter()
     with AsyncCollector(inner, max_staleness=2, stale_tokens="mask") as collector:
         for i, batch in enumerate(collector):
@@ -92,12 +113,15 @@ def _run(tok, model, servers, partial: bool, in_flight: str, publish: bool) -> d
                 published[collector.update_policy_weights_(moved_weights(model, i))] = at
         seconds = time.perf_counter() - start
         metrics = dict(collector.metrics)
+    policy.close()  # the AsyncCollector has stopped: nothing is in flight
+    not_received = _generated(servers) - generated_before - policy.dialect.received_tokens
     first = policy.dialect.first_chunk_at
     firsts = [first[v] - at for v, at in published.items() if v in first]
     updates = max(int(metrics["weight_updates"]), 1)
     return {"latency_s": metrics["update_wait_s"] / updates if publish else float("nan"),
             "first_token_s": statistics.median(firsts) if firsts else float("nan"),
             "discarded": metrics["dropped_tokens"] / updates, "interrupted": metrics["interrupted_sequences"] / updates,
+            "server_not_kept": not_received / updates, "server_discarded": metrics["server_discarded_tokens"] / updates,
             "tokens_per_s": tokens / seconds, "updates": metrics["weight_updates"]}  # fmt: skip
 
 
@@ -148,12 +172,14 @@ def test_vllm_partial_rollouts(benchmark, fleet):
                    f"(groups of {GROUP}), {NEW_TOKENS} new tokens per trajectory, a publish after every batch, "
                    f"{BATCHES} batches x {ROUNDS} interleaved rounds, medians", "",
                    "| contestant | publish -> new weights, ms | publish -> first token under them, ms | tokens "
-                   "discarded / update | sequences interrupted / update | tokens/s | ÷ no updates |",
-                   "|---|---|---|---|---|---|---|"])  # fmt: skip
+                   "discarded / update | server tokens not received / update (/metrics; server_discarded_tokens) | "
+                   "sequences interrupted / update | tokens/s | ÷ no updates |",
+                   "|---|---|---|---|---|---|---|---|"])  # fmt: skip
     for n in names:
         m = med[n]
         _LINES.append(f"| {n} | {m['latency_s'] * 1e3:.0f} | {m['first_token_s'] * 1e3:.0f} | {m['discarded']:.1f} | "
-                      f"{m['interrupted']:.1f} | {m['tokens_per_s']:,.0f} | {ratios[n]:.3f} |")  # fmt: skip
+                      f"{m['server_not_kept']:.1f}; {m['server_discarded']:.1f} | {m['interrupted']:.1f} | "
+                      f"{m['tokens_per_s']:,.0f} | {ratios[n]:.3f} |")  # fmt: skip
     benchmark.extra_info.update({f"tokens_per_s[{n}]": med[n]["tokens_per_s"] for n in names})
     benchmark.extra_info.update({f"ratio[{n}]": ratios[n] for n in names})
     partial, boundary, drop = (

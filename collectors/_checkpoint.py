@@ -37,12 +37,19 @@ def collector_state(collector, *, include_cache: bool = True) -> dict:
 
 def load_collector_state(collector, state: dict, *, strict: bool = True) -> None:
     """Restore :func:`collector_state` into ``collector`` (same mode, source and env shape; with ``strict``, the
-    same prompts: a checkpoint without a fingerprint, older ones, is not checked)."""
+    same prompts: a checkpoint without a fingerprint, older ones, is not checked; one with a fingerprint of 16 sampled
+    prompts, before every prompt was hashed, is refused unless ``strict=False``)."""
     for name, mine in (("mode", collector.mode.value), ("source_kind", collector.source.kind.value)):
         if state.get(name, mine) != mine:
             raise ValueError(f"this checkpoint was taken with {name}={state[name]!r}, this collector has {mine!r}")
     theirs, mine = state.get("prompt_source"), _fingerprint(collector)
     if strict and theirs is not None and mine is not None and theirs != mine:
+        if "scheme" not in theirs and (theirs["count"], theirs["first"]) == (mine["count"], mine["first"]):
+            raise ValueError(f"this checkpoint's fingerprint of its prompts ({_summary(theirs)}) is of the old kind, "
+                             "a digest of 16 sampled prompts, which cannot be compared with this env's (a digest of "
+                             f"every prompt: {_summary(mine)}); if the env holds the checkpoint's prompts, load it "
+                             "with collector.load_state_dict(state, strict=False), and the next checkpoint carries "
+                             "the new fingerprint")  # fmt: skip
         raise ValueError(f"this checkpoint was taken on other prompts ({_summary(theirs)}) than this collector's env "
                          f"holds ({_summary(mine)}): its cursor and slots would resume in another prompt list. Build "
                          "the env on the checkpoint's prompts, or pass collector.load_state_dict(state, strict=False) "

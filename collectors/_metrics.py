@@ -8,6 +8,7 @@ import torch
 from tensordict import TensorDictBase
 
 from tokengym.llm_envs import keys
+from tokengym.llm_envs.turns.self_play import batch_players
 
 __all__ = ["batch_metrics", "collector_metrics", "policy_counts", "sum_counts"]
 
@@ -45,6 +46,9 @@ def batch_metrics(batch: TensorDictBase | None, elapsed: float, version: int, st
         resp = batch.get((keys.NEXT, keys.RESPONSE_LEN))[at].float()
         truncated = batch.get(keys.TRUNCATED).squeeze(-1)[at]
         groups = batch.get(keys.GROUP_ID)[at]
+        players = batch_players(batch)
+        if players:  # self-play: a role is compared with itself (RoleAdvantage), so count (group, role) pairs
+            groups = groups * players + batch.get(keys.SAMPLE_ID)[at] % players
         out.update(mean_reward=float(final.mean()), reward_std=float(final.std()) if n_done > 1 else 0.0,
                    mean_response_len=float(resp.mean()), max_response_len=float(resp.max()),
                    truncated_fraction=float(truncated.float().mean()),
@@ -94,7 +98,8 @@ def sum_counts(parts) -> dict[str, int | float]:
 
 def _zero_std_fraction(rewards: torch.Tensor, groups: torch.Tensor) -> float:
     """Fraction of the groups of finished samples whose rewards are all equal, a group of one sample included (a
-    group advantage gives it 0, as it gives equal rewards: no signal either way).
+    group advantage gives it 0, as it gives equal rewards: no signal either way). A self-play batch's groups are its
+    ``(group, role)`` pairs (:func:`~tokengym.llm_envs.turns.self_play.batch_players`).
 
     Example:
         >>> _zero_std_fraction(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5], dtype=torch.float64), torch.tensor([0, 0, 1, 1, 2]))

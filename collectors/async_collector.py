@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import warnings
 
 import torch
 from tensordict import TensorDictBase
@@ -12,10 +13,22 @@ from tensordict import TensorDictBase
 from tokengym.collectors.core import CollectMode, CollectorBase
 from tokengym.collectors.policies.protocol import weights_of
 from tokengym.llm_envs import keys
+from tokengym.llm_envs.errors import TokenGymWarning
 
 __all__ = ["AsyncCollector"]
 
 STALE_TOKENS = ("drop", "mask")  # AsyncCollector(stale_tokens=...)
+_OWN_COPY_FIX = ("give the policy its own copy of the model, TransformersPolicy(copy.deepcopy(model), env), and publish "
+                 "the trained model's weights after each step: collector.update_policy_weights_(model.state_dict()) "
+                 "(in train(): weights=model.state_dict)")  # fmt: skip
+_SHORT_BATCH = (
+    "AsyncCollector(stale_tokens='drop') kept {kept} of a batch's {asked} trajectories: {groups} group(s) "
+    "({tokens} tokens) held tokens sampled more than max_staleness={k} updates ago (trajectories in flight across "
+    "weight updates) and were dropped whole, so batches come out smaller than asked whenever the trainer publishes "
+    "while trajectories are in flight. To keep batches full, use stale_tokens='mask' (stale tokens stay in the batch "
+    "with loss weight 0: train with WeightedLoss(loss)) or a larger max_staleness; metrics['dropped_tokens'] counts "
+    "what is dropped. Shown once per collector."
+)
 
 
 class AsyncCollector(CollectorBase):
@@ -29,29 +42,39 @@ class AsyncCollector(CollectorBase):
     collector's ``in_flight`` option.
 
     Staleness: the version of a token is the policy version it was sampled under; ``current`` is the
-    number of updates published. A yielded batch never holds a token older than
-    ``current - max_staleness``. Two rules keep it so:
+    number of updates published. No token a yielded batch trains on is older than ``current - max_staleness``:
+    with ``stale_tokens="drop"`` the batch holds no older token; with ``"mask"`` older tokens stay in the batch
+    with loss weight 0 (and may be any number of updates old: how many depends on how often the trainer publishes
+    while a trajectory is in flight). Two rules keep it so:
 
     1. **Wait.** Batch ``j`` (counting from 0) is started only once the trainer has asked for batch
        ``j - max_staleness``, so the collector runs at most ``max_staleness`` batches ahead. A trainer
        that publishes once per batch then never sees a token generated more than ``max_staleness``
-       updates ago; ``max_staleness=0`` is synchronous collection.
+       updates ago, except in trajectories still in flight across an update (``in_flight="continue"``);
+       ``max_staleness=0`` is synchronous collection.
     2. **Drop or mask.** Work that is older anyway is taken out of training when the batch is handed out.
        With ``stale_tokens="drop"`` (default): a whole trajectory (``TRAJECTORIES``; with its whole group, so
        batches keep holding whole groups) that was in flight across more updates, or, in ``STEPS`` mode, the
        stale steps (masked out). It is counted in ``metrics["dropped_tokens"]`` (with the tokens the collector
        itself dropped under ``in_flight="drop"``), so a ``TRAJECTORIES`` batch may hold fewer trajectories
-       than asked for. With ``stale_tokens="mask"`` nothing is dropped: each token older than the bound gets
-       ``keys.LOSS_WEIGHT`` 0 (multiplying a weight already there), so :class:`~tokengym.transforms.WeightedLoss`
-       leaves it out of the gradient while its trajectory, its reward and its group stay in the batch (AReaL's
-       ``max_token_version_gap``, slime's off-policy mask in partial rollouts); counted in
-       ``metrics["masked_stale_tokens"]``. ``in_flight="drop"`` restarts in-flight trajectories at every
-       update, so nothing reaches the hand-out stale.
+       than asked for whenever trajectories were in flight across more than ``max_staleness`` updates: with
+       ``max_staleness=1``, batches of 8 came out as 6 in two of three runs publishing once per batch after a 0.1 s
+       step, and as 4 (or 2) publishing three times per batch (the backends guide has the table). A
+       :class:`~tokengym.errors.TokenGymWarning` says so once, the first time a batch comes out short. With ``stale_tokens="mask"`` nothing is dropped: each
+       token older than the bound gets ``keys.LOSS_WEIGHT`` 0 (multiplying a weight already there), so
+       :class:`~tokengym.transforms.WeightedLoss` leaves it out of the gradient while its trajectory, its reward
+       and its group stay in the batch (AReaL's ``max_token_version_gap``, slime's off-policy mask in partial
+       rollouts); counted in ``metrics["masked_stale_tokens"]``. Train such batches with ``WeightedLoss(loss)``
+       (:func:`~tokengym.training.train` refuses a plain loss on a batch that carries loss weights).
+       ``in_flight="drop"`` restarts in-flight trajectories at every update, so nothing reaches the hand-out
+       stale.
 
-    ``metrics`` adds ``staleness_mean`` / ``staleness_max`` (tokens yielded, against ``current``),
-    ``dropped_tokens`` and ``masked_stale_tokens`` (cumulative), ``version_spanning_fraction`` (the batch's
-    trajectories whose tokens come from more than one version), ``collector_wait_s`` (the collector idle at
-    the bound) and ``trainer_wait_s`` (the trainer waiting for the batch) to the collector's metrics.
+    ``metrics`` adds ``staleness_mean`` / ``staleness_max`` (every token yielded, against ``current``: with
+    ``"mask"``, the tokens of weight 0 too), ``staleness_max_weighted`` (the tokens with a nonzero loss weight,
+    those that train: at most ``max_staleness`` in both modes), ``dropped_tokens`` and ``masked_stale_tokens``
+    (cumulative), ``version_spanning_fraction`` (the batch's trajectories whose tokens come from more than one
+    version), ``collector_wait_s`` (the collector idle at the bound) and ``trainer_wait_s`` (the trainer waiting
+    for the batch) to the collector's metrics.
 
     A batch that raises in the collector (a ``PromptError``, a reward function) raises from the trainer's
     ``next()`` in its place; collection goes on and the next ``next()`` gives the next batch. The wrapped
@@ -60,7 +83,8 @@ class AsyncCollector(CollectorBase):
 
     Args:
         collector: a :class:`TokenCollector` (its policy must hold its own copy of the model: training
-            must not write into weights that are generating) or a :class:`RayTokenCollector`.
+            must not write into weights that are generating; :meth:`update_policy_weights_` refuses the policy's
+            own tensors) or a :class:`RayTokenCollector`.
         max_staleness: the bound ``k >= 0``.
         stale_tokens: ``"drop"`` (whole trajectories and their groups; stale steps in ``STEPS`` mode) or
             ``"mask"`` (a loss weight of 0 on each token older than the bound; nothing dropped).
@@ -75,10 +99,10 @@ class AsyncCollector(CollectorBase):
         >>> env = TokenEnv(["1+1=", "2+3="], tok, batch_size=2, max_new_tokens=4, model_config=model.config)
         >>> policy = TransformersPolicy(copy.deepcopy(model), env)  # the collector's own copy
         >>> inner = TokenCollector(env, policy, mode="trajectories", batch_size=2, total_steps=40)
-        >>> with AsyncCollector(inner, max_staleness=1) as collector:
+        >>> with AsyncCollector(inner, max_staleness=1, stale_tokens="mask") as collector:  # train with WeightedLoss
         ...     for batch in collector:
         ...         version = collector.update_policy_weights_(model.state_dict())  # after a train step
-        ...         assert collector.metrics["staleness_max"] <= 1
+        ...         assert batch.shape[0] == 2 and collector.metrics["staleness_max_weighted"] <= 1
         >>> version > 0
         True
     """
@@ -106,6 +130,7 @@ class AsyncCollector(CollectorBase):
         self._inner: dict = {}  # the collector's metrics of the batch being handed out
         self.counters = {"dropped_tokens": 0, "dropped_stale_groups": 0, "masked_stale_tokens": 0,
                          "collector_wait_s": 0.0, "trainer_wait_s": 0.0}  # fmt: skip
+        self._warned_short = False  # the TokenGymWarning of a TRAJECTORIES batch handed out short, once
 
     @property
     def steps_done(self) -> int:
@@ -212,6 +237,12 @@ class AsyncCollector(CollectorBase):
                 keep &= ~torch.isin(group, gone)  # with whole groups: a stale sample takes its group along
                 self.counters["dropped_stale_groups"] += len(gone)
             dropped = int(mask.reshape(batch.shape[0], -1)[~keep].sum())
+            if not self._warned_short and not bool(keep.all()):
+                self._warned_short = True
+                groups = int(batch.get(keys.GROUP_ID).reshape(batch.shape[0], -1)[~keep, 0].unique().numel())
+                warnings.warn(_SHORT_BATCH.format(kept=int(keep.sum()), asked=batch.shape[0], groups=groups,
+                                                  tokens=dropped, k=self.max_staleness),
+                              TokenGymWarning, stacklevel=4)  # fmt: skip
             out = batch.exclude(keys.PROMPTS)[keep]
             out.set_non_tensor(keys.PROMPTS, batch.get_non_tensor(keys.PROMPTS))
             return out, dropped
@@ -224,11 +255,14 @@ class AsyncCollector(CollectorBase):
         inner = self.collector.metrics if batch is None else self._inner
         mask = None if batch is None else batch.get(keys.MASK)
         lag = torch.zeros(0) if batch is None else (self.version - batch.get(keys.POLICY_VERSION)[mask]).float()
+        weight = None if batch is None else batch.get(keys.LOSS_WEIGHT, None)
+        trained = lag if weight is None else lag[weight.reshape(mask.shape)[mask] != 0]  # the tokens that train
         out = dict(inner)
         out.update(self.counts())
         out.update(policy_version=self.version, tokens=0 if mask is None else int(mask.sum()),
                    staleness_mean=float(lag.mean()) if lag.numel() else 0.0,
                    staleness_max=float(lag.max()) if lag.numel() else 0.0,
+                   staleness_max_weighted=float(trained.max()) if trained.numel() else 0.0,
                    dropped_tokens=self.counters["dropped_tokens"] + int(inner.get("dropped_tokens", 0)),
                    version_spanning_fraction=_spanning_fraction(batch))  # fmt: skip
         return out
@@ -236,7 +270,9 @@ class AsyncCollector(CollectorBase):
     def push_weights(self, weights) -> int:
         """Copy the weights now (training may go on at once) and hand them to the collector; collection goes on
         and switches at its next step boundary."""
-        copied = {name: value.detach().clone() for name, value in weights_of(weights).items()}
+        weights = weights_of(weights)
+        _check_not_generating(weights, self.collector)
+        copied = {name: value.detach().clone() for name, value in weights.items()}
         version = self.collector.update_policy_weights_(copied)
         with self._cond:
             self.version = version
@@ -287,6 +323,41 @@ class AsyncCollector(CollectorBase):
     def _check_not_started(self, name: str) -> None:
         if self._thread is not None:
             raise RuntimeError(f"{name} must come before iterating an AsyncCollector; build a new one")
+
+
+def _generating_model(collector) -> torch.nn.Module | None:
+    """The model the collector's policy generates with where its public surface shows it (``collector.policy.model``,
+    through wrappers that hold a ``policy``); None elsewhere (Ray workers, a vLLM engine)."""
+    policy = getattr(collector, "policy", None)
+    for _ in range(4):
+        model = getattr(policy, "model", None)
+        if isinstance(model, torch.nn.Module):
+            return model
+        policy = getattr(policy, "policy", None)
+    return None
+
+
+def _storages(tensors) -> set[tuple[torch.device, int]]:
+    """Where the tensors' data lives (device, storage address); a view shares its base's."""
+    return {(t.device, t.untyped_storage().data_ptr()) for t in tensors if t.device.type != "meta" and t.numel()}
+
+
+def _check_not_generating(weights: dict[str, torch.Tensor], collector) -> None:
+    """Refuse weights that are the very tensors the policy generates with: the policy is built on the trained model,
+    so training writes into weights that are sampling, under a version that names none of them."""
+    model = _generating_model(collector)
+    if model is None:
+        return
+    own = _storages(model.parameters())
+    shared = [name for name, value in weights.items() if isinstance(value, torch.Tensor) and _storages([value]) & own]
+    if shared:
+        raise ValueError(
+            f"AsyncCollector.update_policy_weights_ got weights that are the tensors its policy's "
+            f"{type(model).__name__} generates with ({len(shared)} of {len(weights)}, e.g. {shared[0]!r}): the policy "
+            "is built on the trained model, so each optimizer step writes into weights that are sampling in the "
+            "background and the tokens' log-probs match no published version. Instead "
+            + _OWN_COPY_FIX
+        )
 
 
 def _spanning_fraction(batch: TensorDictBase | None) -> float:

@@ -16,11 +16,16 @@ branches did at the last step (:class:`TreeStep`), the forks to make now (:class
   ``forks`` most uncertain tokens;
 - :class:`TurnRule` (Tree-GRPO): at each turn boundary of a multi-turn episode, each branch forks into ``width``.
 
-What the sampler guarantees whatever the rule says: a tree never has more than ``group_size`` leaves (forks past the
-budget are skipped, counted in ``tree_forks_skipped``), and a tree whose branches have all ended with fewer leaves
-(a rule that gives fewer, or branches that ended before a planned fork) gets the rest as fresh samples of its prompt
-(forks at step 0, sharing only the prompt: plain GRPO samples), counted in ``tree_leaves_from_prompt``. Each tree
-holds ``group_size`` slots from its root to its last leaf, so ``batch_size // group_size`` trees grow at once.
+What the sampler guarantees whatever the rule says: a tree never has more than ``group_size`` leaves (branches asked
+for past the budget are not made; those asked for while the tree still had leaves to add are counted in
+``tree_forks_skipped``), and a tree whose branches have all ended with fewer leaves (a rule that gives fewer, or
+branches that ended before a planned fork) gets the rest as fresh samples of its prompt (forks at step 0, sharing only
+the prompt: plain GRPO samples; in a multi-turn env fresh episodes, :meth:`~tokengym.llm_envs.TokenEnv.fork` at 0),
+counted in ``tree_leaves_from_prompt``. A fork names a step of its branch's current turn (or 0): the env cannot roll
+an episode back to an earlier turn. Each tree holds ``group_size`` slots from its root to its last leaf, so
+``batch_size // group_size`` trees grow at once. A rule that cannot fork in the env (a turn rule in a single-turn
+env, segments as long as the budget, as many chains as leaves) is refused when the collector is built
+(its ``check``).
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ __all__ = ["BranchRule", "EntropyRule", "Fork", "SegmentRule", "TreeSampler", "T
 @dataclasses.dataclass(frozen=True)
 class Fork:
     """Fork the branch in ``slot`` at its step ``at`` (its generated tokens before the fork) into ``branches`` new
-    branches; the branch itself goes on (or stays ended)."""
+    branches; the branch itself goes on (or stays ended). ``at`` lies in the branch's current turn
+    (:attr:`TreeStep.turn_start` to its steps; before its last step if it ended), or is 0: fresh samples of the
+    prompt."""
 
     slot: int
     at: int
@@ -60,6 +67,8 @@ class TreeStep:
         roots: slots holding their tree's root (its first branch, drawn from the prompt source).
         surprise: by slot, the ``-log p`` of each token the branch sampled (its steps ``0 .. steps - 1``), when the
             rule asks for it (``needs_surprise``).
+        turn_start: by slot, the step where its current turn began (0 in a single-turn env; a slot whose turn ended
+            at this step and goes on: its steps): a fork names a step from there on, or 0 (see :class:`Fork`).
     """
 
     slots: list[int]
@@ -70,6 +79,7 @@ class TreeStep:
     depth: dict[int, int]
     roots: set[int] = dataclasses.field(default_factory=set)
     surprise: dict[int, torch.Tensor] | None = None
+    turn_start: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 class BranchRule(Protocol):
@@ -80,12 +90,19 @@ class BranchRule(Protocol):
     before a wave). The wave source (``source="wave"``) pauses the branch's generation there, as an unfinished row the
     next wave continues; the step source shows every step anyway. ``None`` (and the default for a rule without the
     method): the branch runs its turn out, and :meth:`forks` sees it at the wave's end (its turn's end, or its own).
+
+    A rule may also check the env it grows trees in, ``check(env, group_size)``, called when the collector is built:
+    ``ValueError`` naming the value and the fix where the rule could never fork there (its trees would be plain
+    independent samples).
     """
 
     needs_surprise: bool
 
     def forks(self, step: TreeStep) -> list[Fork]:
         """The forks to make after this step."""
+
+
+_CANNOT_FORK = "{rule} cannot fork in this env: {why}; {fix}"
 
 
 def _next_fork(rule, step: TreeStep, slot: int) -> int | None:
@@ -121,6 +138,16 @@ class SegmentRule:
         """The next multiple of ``length``; ``None`` once the tree has no leaves left (the branch runs out)."""
         return None if step.budget[slot] <= 0 else (step.steps[slot] // self.length + 1) * self.length
 
+    def check(self, env, group_size: int) -> None:
+        """``ValueError`` when no branch can reach ``length`` tokens alive (``length`` at least the tokens an episode
+        may generate: ``max_new_tokens``, or ``max_turns * max_turn_tokens`` when that is less)."""
+        budget, what = _episode_budget(env)
+        if self.length >= budget:
+            raise ValueError(_CANNOT_FORK.format(
+                rule=self, why=f"length={self.length} >= {what}={budget} (a branch ends before its first fork)",
+                fix=f"use a length below {budget} (e.g. SegmentRule({max(1, budget // 4)}, {self.width})) or raise "
+                "the env's budget"))  # fmt: skip
+
     def __repr__(self) -> str:
         return f"SegmentRule(length={self.length}, width={self.width})"
 
@@ -133,7 +160,8 @@ class EntropyRule:
     Uncertainty is the sampled token's surprise ``-log p`` under the sampling distribution (``action_log_prob``): a
     one-sample estimate of the entropy at that step (its expectation is the entropy), the same on every backend (vLLM
     returns only top-k log-probs, so the full entropy is not available there). The first ``skip`` tokens and the
-    last one are never fork points, nor a token another fork took.
+    last one are never fork points, nor a token another fork took. In a multi-turn episode a chain forks within its
+    last turn (the env cannot roll an episode back to an earlier turn's feedback and state).
 
     ``chains=None`` gives ``max(1, group_size // 4)`` chains, ``forks=None`` shares the rest of the leaves among
     them (``(group_size - chains) // chains`` each; 8 leaves: 2 chains forking at 3 tokens each). TreeRL's own
@@ -165,9 +193,10 @@ class EntropyRule:
                 continue
             if b in step.roots and step.steps[b] == 1 and chains > 1 and b not in step.ended:
                 out.append(Fork(b, 0, min(chains - 1, step.budget[b])))  # the root's chains: share the prompt only
-            if b in step.ended and per_chain and step.steps[b] > self.skip + 1:
-                surprise = step.surprise[b][self.skip : step.steps[b] - 1]
-                top = torch.topk(surprise, min(per_chain, surprise.numel())).indices + self.skip
+            first = max(self.skip, step.turn_start.get(b, 0))  # a fork point of the chain's last turn
+            if b in step.ended and per_chain and step.steps[b] > first + 1:
+                surprise = step.surprise[b][first : step.steps[b] - 1]
+                top = torch.topk(surprise, min(per_chain, surprise.numel())).indices + first
                 out += [Fork(b, int(t), 1) for t in sorted(top.tolist())]
         return out
 
@@ -176,6 +205,20 @@ class EntropyRule:
         every other branch runs out (a chain forks once it ended)."""
         is_root = slot in step.roots and step.depth[slot] == 0 and step.steps[slot] == 0
         return 1 if is_root and self._sizes()[0] > 1 and step.budget[slot] > 0 else None
+
+    def check(self, env, group_size: int) -> None:
+        """``ValueError`` when the chains take every leaf (``chains >= group_size``: no chain has a leaf left to fork)
+        or no token is ever a fork point (``skip + 2 > max_new_tokens``)."""
+        if self.chains is not None and self.chains >= group_size:
+            raise ValueError(_CANNOT_FORK.format(
+                rule=self, why=f"chains={self.chains} >= the env's group_size={group_size} (the chains take every "
+                "leaf: independent samples)", fix=f"use chains below {group_size} (e.g. chains=None: "
+                f"{max(1, group_size // 4)}) or raise group_size"))  # fmt: skip
+        budget, what = _episode_budget(env)
+        if self.skip + 2 > budget:
+            raise ValueError(_CANNOT_FORK.format(
+                rule=self, why=f"skip={self.skip} leaves no fork point in {what}={budget} tokens (the first skip "
+                "tokens and the last are never fork points)", fix=f"use skip <= {max(0, budget - 2)}"))  # fmt: skip
 
     def __repr__(self) -> str:
         return f"EntropyRule(chains={self.chains}, forks={self.per_chain}, skip={self.skip})"
@@ -194,8 +237,24 @@ class TurnRule:
     def forks(self, step: TreeStep) -> list[Fork]:
         return [Fork(b, step.steps[b], self.width - 1) for b in step.slots if b in step.turn_ended]
 
+    def check(self, env, group_size: int) -> None:
+        """``ValueError`` for a single-turn env (``max_turns == 1``: no turn boundary to fork at)."""
+        if env.max_turns < 2:
+            raise ValueError(_CANNOT_FORK.format(
+                rule=self, why=f"max_turns={env.max_turns} (no turn ends with its episode going on)",
+                fix="build the env with max_turns >= 2 and a turn handler that answers with feedback "
+                "(MultiTurnTokenEnv), or fork by tokens: SegmentRule or EntropyRule"))  # fmt: skip
+
     def __repr__(self) -> str:
         return f"TurnRule(width={self.width})"
+
+
+def _episode_budget(env) -> tuple[int, str]:
+    """The most tokens an episode of ``env`` generates, and what sets it (for error messages)."""
+    per_turn = getattr(env, "max_turn_tokens", None)
+    if per_turn is not None and env.max_turns * per_turn < env.max_new_tokens:
+        return env.max_turns * per_turn, f"the env's max_turns * max_turn_tokens ({env.max_turns} * {per_turn})"
+    return env.max_new_tokens, "the env's max_new_tokens"
 
 
 def _check_positive(name: str, value, *, low: int = 1) -> None:
@@ -228,6 +287,8 @@ class TreeSampler:
     def __init__(self, rule, env, policy, group_size: int) -> None:
         check_rule(rule)
         self.rule, self.env, self.policy, self.group_size = rule, env, policy, group_size
+        if callable(getattr(rule, "check", None)):
+            rule.check(env, group_size)
         if hasattr(rule, "group_size"):
             rule.group_size = group_size
         B = env.batch_size[0]
@@ -238,6 +299,7 @@ class TreeSampler:
         self.depth = [0] * B  # forks between the root and each slot's branch
         self.surprise = torch.zeros(B, env.max_new_tokens) if rule.needs_surprise else None
         self.counters = {"tree_forks": 0, "tree_forks_skipped": 0, "tree_leaves_from_prompt": 0, "trees_started": 0}
+        self._open: set[int] = set()  # trees with leaves to add before the forks being made (see _grow)
 
     # -- starting trees --
     def start(self):
@@ -294,6 +356,9 @@ class TreeSampler:
             turn_ended = {b for b in moved.nonzero().squeeze(-1).tolist() if b not in ended_set}
         all_steps = steps_t.tolist()
         view = self._view(slots, {b: all_steps[b] for b in slots}, ended_set, turn_ended)
+        if self.env.max_turns > 1:  # where each slot's current turn began: a fork names a step from there on
+            starts = (steps_t - (nxt.get(keys.SEQ_LEN) - nxt.get(keys.PROMPT_LEN))).tolist()
+            view.turn_start.update({b: starts[b] for b in slots})
         return self._grow(view, ended, obs)
 
     def _view(self, slots: list[int], steps: dict[int, int], ended: set[int], turn_ended: set[int]) -> TreeStep:  # fmt: skip
@@ -309,6 +374,9 @@ class TreeSampler:
         env, slots = self.env, view.slots
         forks: list[tuple] = []
         changed = bool(ended)
+        # trees with leaves to add before this step's forks: only there is a branch not made a skip (a rule may go
+        # on asking at a complete tree; the wave source's next_fork stops asking there)
+        self._open = {g for g, n in self.leaves.items() if n < self.group_size}
         for fork in self.rule.forks(view) if slots else []:
             forks += self._fork(fork)
         for b in ended:  # ended branches leave their trees' live sets
@@ -374,6 +442,10 @@ class TreeSampler:
         resp = dict(zip(rows.tolist(), after, strict=True))
         slots = [b for b in resp if tree_of[b] != -1]
         view = self._view(slots, {b: resp[b] for b in slots}, set(ended), turn_ended)
+        if self.env.max_turns > 1:  # where each slot's current turn began: a fork names a step from there on
+            seq, start = (nxt.get(k).index_select(0, last).tolist() for k in (keys.SEQ_LEN, keys.PROMPT_LEN))
+            view.turn_start.update({b: n - (q - p) for b, n, q, p in zip(resp, after, seq, start, strict=True)
+                                    if tree_of[b] != -1})  # fmt: skip
         return self._grow(view, ended, None)
 
     def _fork(self, fork: Fork, *, count: bool = True) -> list[tuple]:
@@ -384,7 +456,7 @@ class TreeSampler:
         # the tree's slots without a live branch (a branch that ended at this step is still live here)
         free = [b for b, g in enumerate(self.tree_of) if g == group and b not in self.live[group]]
         n = min(fork.branches, room, len(free))
-        if count:
+        if count and group in self._open:
             self.counters["tree_forks_skipped"] += fork.branches - n
         if n <= 0:
             return []

@@ -10,7 +10,7 @@ from tensordict import TensorDict
 
 from tokengym.llm_envs import keys
 from tokengym.llm_envs._slots import Slots
-from tokengym.llm_envs.errors import EpisodeError, PromptError, refill_failures
+from tokengym.llm_envs.errors import EpisodeError, PromptError, refill_error
 from tokengym.llm_envs.prompts import Prompt
 from tokengym.llm_envs.turns.protocol import HeldEpisode, TurnHandler, Wait
 
@@ -84,7 +84,7 @@ class PromptLoader:
         episodes = self.slots.pop_failures() if self.slots.failures else []
         if failed or episodes:  # only the slots whose prompt failed are left to refill: a failed episode's took one
             everything = episodes + failed  # in the order they failed
-            raise PromptError(refill_failures(everything), slots=[s for s, _ in failed], observation=obs) from everything[0][1]
+            raise refill_error(everything, slots=[s for s, _ in failed], observation=obs) from everything[0][1]
         return obs
 
     def restart(self, handler: TurnHandler, slot_ids: list[int]) -> TensorDict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 
 __all__ = ["TokenGymError", "TokenGymWarning", "ResetNeeded", "RewardFunctionError", "ContractError", "PromptError",
-           "EpisodeError", "refill_failures"]
+           "EpisodeError", "refill_error", "refill_failures"]
 
 
 class TokenGymError(Exception):
@@ -47,7 +47,8 @@ class PromptError(TokenGymError, ValueError):
 
 class EpisodeError(PromptError):
     """One episode failed and ended with reward 0 (a turn handler answered ``Turn.failed``, or raised it when the
-    episode started); only that episode ended. Raised at the next refill, through the ``PromptError`` path."""
+    episode started); only that episode ended. Raised at the next refill, through the ``PromptError`` path: a refill
+    in which an episode failed raises an ``EpisodeError`` (a ``PromptError`` too), its cause the first failure."""
 
     what = "episode(s) failed and ended with reward 0"
 
@@ -70,3 +71,26 @@ def refill_failures(failed: list[tuple[int, PromptError]]) -> str:
     head = ", ".join(f"{n} {what}" for what, n in kinds.items())
     return (f"{head} (slot {slot}: {first}); the slots are refilled with the next prompts on the next refill, "
             "nothing collected is lost")  # fmt: skip
+
+
+def refill_error(failed: list[tuple[int, PromptError]], *, slots: list[int], observation) -> PromptError:
+    """The error a refill whose slots ``failed`` raises (message: :func:`refill_failures`): an :class:`EpisodeError`
+    when an episode failed among them (the kind the failed episodes share: an agent env's ``AgentError``), so that
+    ``except EpisodeError`` catches it and ``except PromptError`` still does; else a :class:`PromptError`. ``slots``
+    are the slots left to refill.
+
+    Example:
+        >>> err = refill_error([(1, EpisodeError("lost"))], slots=[], observation=None)
+        >>> isinstance(err, EpisodeError), isinstance(err, PromptError), err.what
+        (True, True, 'episode(s) failed and ended with reward 0')
+    """
+    episodes = [err for _, err in failed if isinstance(err, EpisodeError)]
+    message = refill_failures(failed)
+    if not episodes:
+        return PromptError(message, slots=slots, observation=observation)
+    # the most specific kind every failed episode shares (an agent env's AgentError), else EpisodeError
+    kind = next(c for c in type(episodes[0]).__mro__ if all(isinstance(e, c) for e in episodes))
+    try:
+        return kind(message, what=episodes[0].what, slots=slots, observation=observation)
+    except TypeError:  # a subclass with another signature
+        return EpisodeError(message, what=episodes[0].what, slots=slots, observation=observation)

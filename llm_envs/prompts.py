@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
+import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 
@@ -254,34 +256,40 @@ class PromptSource:
         self.seed = seed
         self.load_state_dict({"epoch": 0, "pos": 0, "sample": 0, "group": 0})
 
-    _FINGERPRINT_ITEMS = 16
+    FINGERPRINT_SCHEME = "blake2b-every-prompt"
+    """The ``scheme`` of :meth:`fingerprint` (a checkpoint whose fingerprint has no ``scheme`` sampled 16 prompts)."""
 
     def fingerprint(self) -> dict | None:
-        """What identifies a sized source's prompts, cheaply: their count, a digest of the token ids of up to 16
-        of them spread evenly (the first and the last included) and the first one's text; ``None`` for an
-        iterable (read once: it cannot be looked at ahead). Computed once; a collector checkpoint carries it.
+        """What identifies a sized source's prompts: their ``count``, a ``digest`` of every one of them and the first
+        one's text; ``None`` for an iterable (read once, possibly endless: it cannot be hashed ahead, and a checkpoint
+        over it is not checked). Computed once; a collector checkpoint carries it.
+
+        The digest is a blake2b hash streamed over every item as given (a text, chat messages, token ids, a mapping
+        with its metadata), in order, without tokenizing them (a million short prompts take seconds), plus the token
+        ids of the first one (another tokenizer or chat template shows too). Two sources differing in any one prompt
+        have different digests.
 
         Example:
             >>> from tokengym.testing import tiny_tokenizer
             >>> fp = PromptSource(["1+1=", "2+2="], tiny_tokenizer()).fingerprint()
-            >>> fp["count"], fp["first"], len(fp["digest"])
-            (2, '1+1=', 16)
+            >>> fp["count"], fp["first"], len(fp["digest"]), fp["scheme"]
+            (2, '1+1=', 16, 'blake2b-every-prompt')
         """
         if not self.is_sized:
             return None
         if "_fingerprint" not in self.__dict__:
             n = len(self.prompts)
-            k = min(n, self._FINGERPRINT_ITEMS)
-            picks = sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})
-            digest, first = hashlib.sha256(str(n).encode()), ""
-            for index in picks:
-                try:
-                    ids, text = self._encode_item(self.prompts[index], index)[:2]
-                except (KeyError, TypeError, ValueError):  # a bad item fails at its draw, not at a checkpoint
-                    ids, text = torch.tensor([-1]), ""
-                digest.update(ids.to(torch.int64).numpy().tobytes() + b"|")
-                first = first or text
-            self.__dict__["_fingerprint"] = {"count": n, "digest": digest.hexdigest()[:16], "first": first[:40]}
+            digest = hashlib.blake2b(str(n).encode(), digest_size=8)
+            for item in itertools.islice(self.prompts, n):  # iterated: a datasets.Dataset reads its rows in chunks
+                data = _item_bytes(item)
+                digest.update(len(data).to_bytes(8, "little") + data)
+            try:
+                ids, text = self._encode_item(self.prompts[0], 0)[:2]
+            except (KeyError, TypeError, ValueError):  # a bad item fails at its draw, not at a checkpoint
+                ids, text = torch.tensor([-1]), ""
+            digest.update(ids.to(torch.int64).numpy().tobytes())
+            self.__dict__["_fingerprint"] = {"count": n, "digest": digest.hexdigest(), "first": text[:40],
+                                             "scheme": self.FINGERPRINT_SCHEME}  # fmt: skip
         return dict(self.__dict__["_fingerprint"])
 
     def state_dict(self) -> dict:
@@ -429,3 +437,24 @@ def _check_chat_template(first, tokenizer) -> None:
         raise ValueError(f"the prompts are chat message lists (the first: {first!r:.60}) but the tokenizer "
                          f"{type(tokenizer).__name__} has no chat_template; set tokenizer.chat_template (a jinja "
                          "template) or pass plain strings")  # fmt: skip
+
+
+def _item_bytes(item) -> bytes:
+    """One prompt item as bytes for the fingerprint: a text, a tensor's dtype and values, else its JSON (mappings
+    with sorted keys; tensors and numpy values as lists), else its ``repr``."""
+    if isinstance(item, str):
+        return b"s" + item.encode("utf-8", "surrogatepass")
+    if isinstance(item, torch.Tensor):
+        item = item.detach().cpu().reshape(-1).contiguous()
+        return b"t" + str(item.dtype).encode() + item.view(torch.uint8).numpy().tobytes()
+    try:
+        text = json.dumps(item, sort_keys=True, ensure_ascii=False, default=_plain)
+    except (TypeError, ValueError):  # keys that do not sort, say
+        return b"r" + repr(item).encode("utf-8", "surrogatepass")
+    return b"j" + text.encode("utf-8", "surrogatepass")
+
+
+def _plain(value):
+    """A JSON-able stand-in for a value ``json`` does not know: a tensor's or numpy value's list, else its repr."""
+    tolist = getattr(value, "tolist", None)
+    return tolist() if callable(tolist) else repr(value)

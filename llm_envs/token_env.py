@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -373,9 +374,12 @@ class TokenEnv(EnvBase):
         ``sample_ids[i]`` (default: the slot's). ``at`` may lie anywhere in the slot's current turn; a slot whose
         episode ended at the last step (done, not yet refilled) forks at an earlier step only. The turn handler's
         :meth:`~tokengym.llm_envs.turns.TurnHandler.fork` copies its per-episode state (an agent program's env
-        refuses: a running program cannot be copied). A free slot is an idle one, or one whose episode ended at the
-        last step (its trajectory is recorded; a refill would replace it anyway). Budgets count per trajectory: a
-        branch may generate ``max_new_tokens`` less its ``at`` steps.
+        refuses: a running program cannot be copied). ``at=0`` of a slot past its first turn starts fresh episodes of
+        its prompt (the prompt's tokens, turn 0, no per-episode state copied: the turn handler sees new episodes, as
+        after a refill): the earlier turns' feedback and the handler's state cannot be rolled back to the prompt. A
+        free slot is an idle one, or one whose episode ended at the last step (its trajectory is recorded; a refill
+        would replace it anyway). Budgets count per trajectory: a branch may generate ``max_new_tokens`` less its
+        ``at`` steps.
 
         Example:
             >>> from tokengym.testing import tiny_tokenizer
@@ -408,21 +412,43 @@ class TokenEnv(EnvBase):
         is_done = bool(slots.done[slot])
         at = resp if at is None else at
         first = resp - (seq - start)  # the step where the slot's current turn began
-        if isinstance(at, bool) or not isinstance(at, int) or not first <= at <= resp - is_done:
+        is_fresh = type(at) is int and at == 0 and first > 0  # from the prompt, past the first turn
+        if not is_fresh and (isinstance(at, bool) or not isinstance(at, int) or not first <= at <= resp - is_done):
             raise ValueError(f"slot {slot} forks at a step in [{first}, {resp - is_done}] (its current turn"
-                             f"{'; it ended: before its last step' if is_done else ''}), got at={at!r}")  # fmt: skip
+                             f"{'; it ended: before its last step' if is_done else ''}) or at 0 (a fresh episode of "
+                             f"its prompt), got at={at!r}")  # fmt: skip
+        if is_fresh and overrides(self.turns, "serve"):
+            raise ValueError(f"slot {slot} cannot start a fresh episode of its prompt at at=0 (past its first turn): "
+                             f"{type(self.turns).__name__} serves each episode's first observation; fork in its "
+                             f"current turn, at a step in [{first}, {resp - is_done}]")  # fmt: skip
         samples = [int(s[keys.SAMPLE_ID][slot])] * len(into) if sample_ids is None else [int(i) for i in sample_ids]
         if len(samples) != len(into):
             raise ValueError(f"sample_ids has {len(samples)} ids for {len(into)} slots")
         if not into:
             return []
         self._release(into)
+        if is_fresh:
+            return self._start_fresh(slot, into, samples)
         parent = self.held_episode(slot)
         trajs = slots.fork(slot, into, seq - (resp - at), at, samples)
         if overrides(self.turns, "fork"):
             for b in into:
                 self.turns.fork(parent, self.held_episode(b))
         return trajs
+
+    def _start_fresh(self, slot: int, into: list[int], samples: list[int]) -> list[int]:
+        """Fresh episodes of ``slot``'s prompt in ``into`` (new trajectory and episode ids, sample ids ``samples``):
+        a fork at step 0 of a slot past its first turn (see :meth:`fork`)."""
+        slots, prompt = self._slots, self._slots.prompts[slot]
+        first = slots.next_traj
+        slots.copy_on_write()
+        slots.load([(b, dataclasses.replace(prompt, sample_id=s)) for b, s in zip(into, samples, strict=True)])
+        for b in into:
+            slots.episodes[b] = slots.new_episode()
+        slots.any_done = bool(slots.done.any())
+        if overrides(self.turns, "refilled"):
+            self.turns.refilled(self._loader.held(range(self.batch_size[0])))
+        return list(range(first, first + len(into)))
 
     def vacate(self, slots: Iterable[int]) -> TensorDictBase:
         """Empty ``slots`` without loading a prompt (they idle until a refill or a fork); returns the observation.

@@ -229,3 +229,24 @@ def test_the_errors_reference_quotes_the_torchrl_messages_and_names_the_check():
                    "Critic network is not specified, cannot compute advantage within forward.",
                    "'NoneType' object has no attribute 'device'"):  # fmt: skip
         assert quoted in page, quoted
+
+
+# -- issue 47: loss weights (keys.LOSS_WEIGHT) the loss would not read --
+@pytest.mark.parametrize(
+    ("make_loss", "prepare", "owner"),
+    [
+        (lambda m: _ppo(SequenceActor(m)), GroupAdvantage("grpo"), r"ClipPPOLoss\(SequenceActor\)"),
+        (lambda m: _grpo(PaddedSequenceActor(m)), lambda b: to_padded(GroupAdvantage("grpo")(b)),
+         r"GRPOLoss\(PaddedSequenceActor\)"),  # to_padded carries the weights over, under the same key
+    ],
+    ids=["ppo-step-batch", "grpo-padded"],
+)  # fmt: skip
+def test_loss_weights_a_plain_loss_would_not_read_are_refused_naming_weighted_loss(collected, model, make_loss,
+                                                                                   prepare, owner):  # fmt: skip
+    batch = collected.clone()
+    batch.set(keys.LOSS_WEIGHT, torch.ones(batch.shape))  # all ones: still weights, and the loss would not read them
+    data = prepare(batch)
+    assert keys.LOSS_WEIGHT in data.keys()
+    with pytest.raises(ValueError, match=owner + r" does not read.*WeightedLoss\(loss\).*batch\.exclude\('loss_weight'\)"):
+        check_loss_inputs(data, make_loss(model))
+    check_loss_inputs(data.exclude(keys.LOSS_WEIGHT), make_loss(model))  # the fix named for ignoring them on purpose

@@ -40,8 +40,10 @@ _PROVIDERS = {  # a key a loss may read -> the tokengym call that writes it
 
 def check_loss_inputs(batch: TensorDictBase, loss: torch.nn.Module) -> None:
     """Check that ``loss`` (a TorchRL loss, or ``WeightedLoss`` around one) can read ``batch``: the layout its actor
-    scores, an actor the loss can call, and the advantage and log-probs it reads; raise naming the tokengym call that
-    provides what is missing. :func:`~tokengym.training.train` runs it on its first prepared batch.
+    scores, an actor the loss can call, and the advantage and log-probs it reads, and that loss weights the batch
+    carries (``keys.LOSS_WEIGHT``) are read; raise naming the tokengym call that provides what is missing.
+    :func:`~tokengym.training.train` runs it on every prepared batch, before the loss. In a loop of your own, call it
+    before the loss: ``check_loss_inputs(data, loss); out = loss(data)``.
 
     The layouts: ``SequenceActor`` scores a TRAJECTORIES step batch [N, T] (``ClipPPOLoss``);
     ``PaddedSequenceActor`` and ``SharedPrefixActor`` the padded layout of
@@ -56,7 +58,8 @@ def check_loss_inputs(batch: TensorDictBase, loss: torch.nn.Module) -> None:
     Raises:
         TypeError: ``batch`` is not a TensorDict; an actor the loss cannot call (``GRPOLoss(SequenceActor(model))``).
         ValueError: a layout the actor does not score (a step batch for ``PaddedSequenceActor``, a padded one for
-            ``SequenceActor``), no advantage, no log-probs the loss reads.
+            ``SequenceActor``), no advantage, no log-probs the loss reads; ``keys.LOSS_WEIGHT`` in the batch (even all
+            ones) for a loss not wrapped in :class:`~tokengym.transforms.WeightedLoss`, which alone reads them.
 
     Example:
         >>> from torchrl.objectives.llm import GRPOLoss
@@ -85,6 +88,8 @@ def check_loss_inputs(batch: TensorDictBase, loss: torch.nn.Module) -> None:
     if (getattr(inner, "kl_to_ref_coeff", None) or 0) > 0:
         _check_read(batch, getattr(tensor_keys, "ref_log_probs", None), f"{owner} with kl_to_ref_coeff",
                     "the reference log-probs")  # fmt: skip
+    if inner is loss:  # not a WeightedLoss: nothing reads keys.LOSS_WEIGHT
+        _check_weights_read(batch, inner, owner)
 
 
 def _has(batch: TensorDictBase, key) -> bool:
@@ -123,6 +128,21 @@ def _check_actor(batch: TensorDictBase, loss: torch.nn.Module, actor, owner: str
             f"{keys.TOKENS!r}): call the loss on the batch before to_padded, or score the padded layout with "
             f"{type(loss).__name__}(PaddedSequenceActor(model))"
         )
+
+
+def _check_weights_read(batch: TensorDictBase, loss: torch.nn.Module, owner: str) -> None:
+    """A TorchRL loss reads no ``keys.LOSS_WEIGHT``: a batch that carries weights (all ones included) needs
+    ``WeightedLoss`` around the loss, or it trains on every token with weight 1."""
+    if not _has(batch, keys.LOSS_WEIGHT):
+        return
+    reduce = "aggregation='none'" if _is_grpo(loss) else "reduction='none'"
+    raise ValueError(
+        f"the batch carries per-token loss weights {keys.LOSS_WEIGHT!r}, which {owner} does not read: it would train "
+        "on every token with weight 1 (the stale tokens of AsyncCollector(stale_tokens='mask'), each shared token of "
+        "TreeAdvantage(weight_shared=True) once per leaf that holds it, the tokens MismatchCorrection or a weight "
+        f"filter left out). Wrap the loss: WeightedLoss(loss) (tokengym.transforms.WeightedLoss, the loss built with "
+        f"{reduce}); to train without the weights on purpose, drop them: batch.exclude({keys.LOSS_WEIGHT!r})"
+    )
 
 
 def _check_action(batch: TensorDictBase, key, owner: str) -> None:

@@ -10,8 +10,11 @@ import torch
 from tensordict import TensorDictBase
 
 from tokengym._loss_checks import check_loss_inputs
+from tokengym._micro_batches import micro_batches, mini_batch_rows, trainer_mode
+from tokengym.collectors import AsyncCollector
+from tokengym.collectors.policies.protocol import weights_of
 
-__all__ = ["TrainOptions", "check_loss_inputs", "train"]
+__all__ = ["TrainOptions", "check_loss_inputs", "train", "train_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,9 +22,23 @@ class TrainOptions:
     """How :func:`train` optimizes on each collected batch."""
 
     epochs: int = 1
-    """Optimizer steps on each batch (PPO-style reuse of the batch)."""
+    """Passes over each batch (PPO-style reuse of the batch)."""
     max_grad_norm: float | None = 1.0
     """Clip the total gradient norm over the optimizer's parameters to this; None does not clip."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch, each on a shuffled 1/mini_batches of the rows (PPO mini-batches); 1: one step on the
+    whole batch."""
+    micro_batch_rows: int | None = None
+    """Rows per forward/backward: the gradient of each optimizer step is accumulated over micro-batches of at most
+    this many rows, scaled so that it equals the whole (mini-)batch's. None: one forward over the whole batch."""
+    micro_batch_tokens: int | None = None
+    """A token budget per forward/backward instead: rows sorted by length and packed into micro-batches of at most
+    this many padded tokens (rows x the longest); a row longer than the budget goes alone. What bounds memory at long
+    sequences (verl's ``ppo_max_token_len_per_gpu``)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (``model.gradient_checkpointing_enable()`` on the
+    loss's actor model, for the optimizer steps only; off again after them): activations of one layer at a time
+    instead of all, for about a third more compute."""
 
     def __post_init__(self) -> None:
         if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
@@ -29,6 +46,18 @@ class TrainOptions:
         norm = self.max_grad_norm
         if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int | float) or not norm > 0):
             raise ValueError(f"max_grad_norm must be a number > 0 or None, got {norm!r}. Use None to turn clipping off.")
+        for name, fix in (("mini_batches", "1 for one optimizer step per epoch"), ("micro_batch_rows", "None"),
+                          ("micro_batch_tokens", "None, or e.g. 16384")):  # fmt: skip
+            value = getattr(self, name)
+            if (value is not None or name == "mini_batches") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):  # fmt: skip
+                raise ValueError(f"{name} must be a positive int, got {value!r}. Use {name}={fix}.")
+        if self.micro_batch_rows is not None and self.micro_batch_tokens is not None:
+            raise ValueError(f"give micro_batch_rows ({self.micro_batch_rows}) or micro_batch_tokens "
+                             f"({self.micro_batch_tokens}), not both: rows fix the count per micro-batch, a token "
+                             "budget their size")  # fmt: skip
+        if not isinstance(self.gradient_checkpointing, bool):
+            raise TypeError(f"gradient_checkpointing must be a bool, got {self.gradient_checkpointing!r}")
 
 
 def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *, iterations: int,
@@ -55,17 +84,22 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         on_iteration: called with each row (keys added to it are kept) and the prepared batch once the
             weights went out: evaluate, print, train a value head.
         scheduler: a learning-rate scheduler, stepped after every optimizer step (a warm-up).
-        weights: returns the weights to send (``model.state_dict``), for a collector holding its own copy
-            (Ray workers, ``AsyncCollector``, a policy built on another copy of the model); None: the collector's
-            policy trains in place (its ``model`` must hold the optimizer's parameters).
+        weights: returns the trained model's weights to send (``model.state_dict``), for a collector holding its own
+            copy (Ray workers, ``AsyncCollector``, a policy built on another copy of the model); not the policy's
+            own (``sampler.state_dict``). None: the collector's policy trains in place (its ``model`` must hold the
+            optimizer's parameters; not behind an ``AsyncCollector``).
         device: the trainer's device (the trained model's, e.g. ``"cuda"``): the prepared batch moves there before
-            the loss; None leaves it on the host (a model on the CPU).
+            the loss; None leaves it on the host (a model on the CPU). One this machine has (not ``"meta"``).
 
     Raises:
-        ValueError, TypeError: a bad argument, before the first batch; without ``weights``, a policy whose model holds
-            none of the optimizer's parameters (its weights would never change); on the first prepared batch, before
-            the first loss call, what :func:`check_loss_inputs` refuses (a layout the loss's actor does not score, no
-            advantage). KeyError: a loss without ``loss_*`` terms.
+        ValueError, TypeError: a bad argument, before the first batch: a ``device`` this machine does not have
+            (``"cuda"`` without CUDA, ``"meta"``); without ``weights``, a collector that needs them (Ray workers,
+            ``AsyncCollector``) or a policy whose model holds none of the optimizer's parameters (its weights would
+            never change); an ``AsyncCollector`` whose policy generates with the trained model (it needs its own
+            copy). Before the first update: ``weights()`` giving the policy's own weights (``sampler.state_dict``).
+            On every prepared batch, before the loss, what :func:`check_loss_inputs` refuses (a layout the loss's
+            actor does not score, no advantage, loss weights the loss does not read). KeyError: a loss without
+            ``loss_*`` terms.
 
     Example:
         >>> from torchrl.objectives import ClipPPOLoss
@@ -89,43 +123,124 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
            {"prepare": prepare, "on_iteration": on_iteration, "weights": weights})  # fmt: skip
     device = _check_device(device)
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    needs = getattr(collector, "needs_weights_because", "")
+    if weights is None and isinstance(needs, str) and needs:
+        raise ValueError(f"train() got no weights= but {type(collector).__name__} needs them ({needs}): pass the "
+                         "trained model's weights, train(..., weights=model.state_dict)")  # fmt: skip
+    _check_async_copy(collector, params)
     if weights is None:
         _check_trained_in_place(collector, params)
     rows: list[dict] = []
-    for i, batch in enumerate(collector):
-        if batch is None:
-            raise TypeError("the collector yielded None (it writes to a sink); train() needs the batches: drop sink=")
-        data = batch if prepare is None else prepare(batch)
-        if device is not None:
-            data = data.to(device)  # one copy of the prepared batch (its non-tensor prompt table travels as it is)
-        if i == 0:  # the layout, actor and advantage the loss reads, named before TorchRL's own errors
+    modes = {module: module.training for module in loss.modules()}  # left as found (train/eval)
+    try:
+        for i, batch in enumerate(collector):
+            if batch is None:
+                raise TypeError("the collector yielded None (it writes to a sink); train() needs the batches: drop sink=")
+            data = batch if prepare is None else prepare(batch)
+            if device is not None:
+                data = data.to(device)  # one copy of the prepared batch (its non-tensor prompt table travels as it is)
+            # the layout, actor, advantage and loss weights the loss reads, named before TorchRL's own errors; on every
+            # batch (a few key lookups), as loss weights may first appear later (AsyncCollector(stale_tokens="mask"))
             check_loss_inputs(data, loss)
-        loss.train()
-        for _ in range(options.epochs):
-            out = loss(data)
-            total = _total_loss(out)
-            optimizer.zero_grad()
-            total.backward()
-            if options.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, options.max_grad_norm)
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-        loss.eval()
-        collector.update_policy_weights_(None if weights is None else weights())  # None: trained in place
-        m, nan = collector.metrics, float("nan")
-        rows.append({"iter": i, "reward": m["mean_reward"], "kl": m.get("kl", nan), "beta": m.get("beta", nan),
-                     "tokens_per_s": m["tokens_per_s"], "loss": float(total.detach())})  # fmt: skip
-        rows[-1].update({k: float(v.detach()) for k, v in out.items() if isinstance(v, torch.Tensor) and v.numel() == 1})
-        if on_iteration is not None:
-            on_iteration(rows[-1], data)
-        if i + 1 >= iterations:
-            break
+            scalars = train_step(data, loss, optimizer, options=options, scheduler=scheduler)
+            loss.eval()  # the policy may generate with the trained model: no dropout while collecting
+            sent = None if weights is None else weights()  # None: trained in place
+            if i == 0 and sent is not None:
+                _check_weights_sent(sent, collector, params)
+            collector.update_policy_weights_(sent)
+            m, nan = collector.metrics, float("nan")
+            rows.append({"iter": i, "reward": m["mean_reward"], "kl": m.get("kl", nan), "beta": m.get("beta", nan),
+                         "tokens_per_s": m["tokens_per_s"], **scalars})  # fmt: skip
+            if on_iteration is not None:
+                on_iteration(rows[-1], data)
+            if i + 1 >= iterations:
+                break
+    finally:
+        for module, was_training in modes.items():
+            module.train(was_training)
     return rows
 
 
+def train_step(data: TensorDictBase, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+               options: TrainOptions = TrainOptions(), scheduler=None) -> dict[str, float]:  # fmt: skip
+    """The optimizer steps :func:`train` takes on one prepared batch: ``options.epochs`` passes, each of
+    ``options.mini_batches`` steps on shuffled rows, each step's gradient accumulated over micro-batches
+    (``options.micro_batch_rows`` / ``micro_batch_tokens``) and equal to the whole (mini-)batch's; the loss in train mode
+    (and its actor's model with gradient checkpointing if asked) during the steps, both as found after them.
+
+    Exact gradients: each micro-batch's terms are scaled by its share of what the loss divides by on the whole
+    batch (its tokens for a token mean, rows for a per-sequence mean, rows x columns for ``GRPOLoss``'s KL terms, 1 for a
+    sum), so a token mean over micro-batches is the whole batch's token mean. A loss that uses batch statistics
+    (``normalize_advantage=True``, ``kl_mask_threshold``) is refused with micro-batches.
+
+    Args:
+        data: the prepared batch (what the loss reads), on the trainer's device.
+        loss: a TorchRL loss or ``WeightedLoss`` returning ``loss_*`` terms.
+        optimizer: over the trained parameters.
+        options: epochs, mini- and micro-batches, clipping, checkpointing (:class:`TrainOptions`).
+        scheduler: stepped after every optimizer step.
+
+    Returns:
+        ``loss`` (the summed ``loss_*`` terms) and every scalar the loss returned, over the whole batch (each
+        micro-batch's weighted by its share), averaged over the last epoch's mini-batches.
+
+    Example:
+        >>> from torchrl.objectives.llm import GRPOLoss
+        >>> from tokengym.collectors.policies import PaddedSequenceActor
+        >>> from tokengym.testing import make_trajectory_batch, tiny_model, tiny_tokenizer
+        >>> from tokengym.transforms import GroupAdvantage, to_padded
+        >>> model = tiny_model(tiny_tokenizer())
+        >>> data = to_padded(GroupAdvantage("grpo")(make_trajectory_batch([3, 2, 4, 1], group_size=2)))
+        >>> loss = GRPOLoss(PaddedSequenceActor(model), entropy_bonus=False)
+        >>> row = train_step(data, loss, torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                  options=TrainOptions(micro_batch_rows=1))
+        >>> sorted(row)[:3], model.training
+        (['ESS', 'clip_fraction', 'kl_approx'], False)
+    """
+    if not isinstance(options, TrainOptions):
+        raise TypeError(f"options must be a TrainOptions, got {type(options).__name__}: TrainOptions(epochs=2)")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    split = {"max_rows": options.micro_batch_rows, "max_tokens": options.micro_batch_tokens}
+    n = data.batch_size[0] if data.batch_dims else 1
+    if options.mini_batches > n:
+        raise ValueError(f"mini_batches={options.mini_batches} is more than the batch's {n} rows: use at most {n}")
+    shuffle = torch.Generator().manual_seed(int(torch.randint(2**62, ())))  # from torch's seed: reproducible runs
+    with trainer_mode(loss, gradient_checkpointing=options.gradient_checkpointing):
+        for _ in range(options.epochs):
+            rows = [None] if options.mini_batches == 1 else mini_batch_rows(n, options.mini_batches, shuffle)
+            epoch: list[dict[str, float]] = []
+            for part in rows:
+                optimizer.zero_grad()
+                epoch.append(_accumulate(data, loss, part, split))
+                if options.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(params, options.max_grad_norm)
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+    return {key: sum(row[key] for row in epoch) / len(epoch) for key in epoch[0]}
+
+
+def _accumulate(data: TensorDictBase, loss: torch.nn.Module, rows, split: dict) -> dict[str, float]:
+    """Backward over the micro-batches of ``data[rows]``; the whole (mini-)batch's loss and scalars."""
+    found: dict[str, float] = {}
+    for part in micro_batches(data, loss, rows, **split):
+        out = loss(part.data)
+        names = _loss_terms(out)
+        total = sum(out.get(name) * part.scale(loss, name) for name in names)
+        total.backward()
+        found["loss"] = found.get("loss", 0.0) + float(total.detach())
+        for key, value in out.items():
+            if isinstance(value, torch.Tensor) and value.ndim == 0:  # (ClipPPOLoss's ESS is per step: left out)
+                scale = part.scale(loss, key) if key in names else part.share
+                found[key] = found.get(key, 0.0) + float(value.detach()) * scale
+    return found
+
+
 def _generator(collector) -> torch.nn.Module | None:
-    """The model the collector's policy generates with, where the policy shows it (``policy.model``), else None."""
+    """The model the collector's policy generates with, where the policy shows it (``policy.model``; behind an
+    ``AsyncCollector``, its ``collector``'s), else None."""
+    if isinstance(collector, AsyncCollector):
+        collector = collector.collector
     policy = getattr(collector, "policy", None)
     for _ in range(4):  # through wrappers that hold the policy (PolicyWithReference)
         model = getattr(policy, "model", None)
@@ -152,25 +267,83 @@ def _check_trained_in_place(collector, params: list[torch.Tensor]) -> None:
         )
 
 
-def _total_loss(out) -> torch.Tensor:
-    """The sum of the ``loss_*`` terms of a TorchRL loss output (a TensorDict or a tensorclass)."""
+def _storages(tensors) -> set[tuple[torch.device, int]]:
+    """Where the tensors' data lives (device, storage address): a state_dict's tensors share their parameters'."""
+    return {(t.device, t.untyped_storage().data_ptr()) for t in tensors
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel()}  # fmt: skip
+
+
+def _check_async_copy(collector, params: list[torch.Tensor]) -> None:
+    """An ``AsyncCollector`` generates in a background thread while the trainer steps: a policy built on the trained
+    model samples from weights the optimizer is writing, under a version that names none of them."""
+    if not isinstance(collector, AsyncCollector):
+        return
+    model = _generator(collector)
+    if model is None or not _storages(model.parameters()) & _storages(params):
+        return
+    raise ValueError(
+        f"the AsyncCollector's policy generates with the trained {type(model).__name__} (it holds the optimizer's "
+        "parameters): it samples in a background thread while the optimizer writes into those weights, so its "
+        "log-probs match no published version. Give the policy its own copy, "
+        "TransformersPolicy(copy.deepcopy(model), env), and publish the trained weights with "
+        "train(..., weights=model.state_dict)"
+    )
+
+
+def _check_weights_sent(sent, collector, params: list[torch.Tensor]) -> None:
+    """``weights()`` must give the trained model's weights: the generator's own (``sampler.state_dict``) would load
+    the policy into itself, advancing its version while nothing changes."""
+    model = _generator(collector)
+    if model is None:
+        return
+    tensors = list(weights_of(sent).values())
+    sent_at = _storages(tensors)
+    if sent_at & _storages(model.parameters()) and not sent_at & _storages(params):
+        raise ValueError(
+            f"weights() returned the collector's policy's own weights (its {type(model).__name__}'s tensors, none of "
+            f"the optimizer's {len(params)} parameters), e.g. weights=sampler.state_dict: publishing them loads the "
+            "policy into itself, so policy.version would advance while its weights never change. Pass the trained "
+            "model's: train(..., weights=model.state_dict), where model holds the optimizer's parameters"
+        )
+
+
+def _loss_terms(out) -> list[str]:
+    """The names of the ``loss_*`` terms of a TorchRL loss output (a TensorDict or a tensorclass)."""
     names = [k for k in out.keys() if isinstance(k, str) and k.startswith("loss_")]
     if not names:
         raise KeyError(f"the loss returned no 'loss_*' term (keys: {sorted(map(str, out.keys()))}); train() "
                        "backpropagates the sum of the terms named loss_*, as TorchRL's losses name them")  # fmt: skip
-    return sum((out.get(k) for k in names[1:]), out.get(names[0]))
+    return names
 
 
 def _check_device(device) -> torch.device | None:
-    if device is None or isinstance(device, torch.device):
-        return device
-    if not isinstance(device, str):
+    """The trainer's device, checked before the first batch: one this machine has (torch's own errors, an
+    ``AssertionError`` "Torch not compiled with CUDA enabled", come at the first batch and name no fix)."""
+    if device is None:
+        return None
+    if not isinstance(device, torch.device | str):
         raise TypeError(f"device must be a torch.device, a string ('cuda', 'cuda:1', 'cpu') or None, got "
                         f"{type(device).__name__} {device!r}")  # fmt: skip
     try:
-        return torch.device(device)
+        device = torch.device(device)
     except RuntimeError as error:
         raise ValueError(f"device={device!r} is not a device name ({error}); use 'cuda', 'cuda:0' or 'cpu'") from None
+    if device.type == "meta":
+        raise ValueError("device='meta' holds no data (shapes only): a batch moved there cannot be trained on. Pass the "
+                         "trained model's device, e.g. device='cuda', or None for a model on the CPU")  # fmt: skip
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r} but this machine has no usable CUDA device "
+                             f"(torch.cuda.is_available() is False; torch {torch.__version__}, built for CUDA "
+                             f"{torch.version.cuda}): train on the host with device=None (or 'cpu'), or run where "
+                             "a GPU and a CUDA build of torch are installed")  # fmt: skip
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r} but this machine has {torch.cuda.device_count()} CUDA "
+                             f"device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1}): pick one of them, e.g. "
+                             "device='cuda:0', or the device the trained model is on")  # fmt: skip
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device='mps' but torch.backends.mps.is_available() is False: use device=None (or 'cpu')")
+    return device
 
 
 def _check(collector, loss, optimizer, iterations, options, scheduler, callbacks: dict) -> None:

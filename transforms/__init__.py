@@ -49,6 +49,7 @@ from tokengym.transforms.sequences import (
     step_log_probs,
 )
 from tokengym.transforms.shared_prefix import SharedPrefixLayout, to_shared_prefix
+from tokengym.transforms.token_log_probs import TokenScorer
 from tokengym.transforms.trajectories import split_trajectories
 from tokengym.transforms.tree_advantages import TreeAdvantage, tree_leaf_counts
 from tokengym.transforms.turn_discount import TurnDiscount
@@ -58,6 +59,7 @@ __all__ = [
     "decode",
     "SequenceLayout",
     "SharedPrefixLayout",
+    "TokenScorer",
     "sequence_layout",
     "AdaptiveKLController",
     "AdvantageEstimator",

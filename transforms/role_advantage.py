@@ -16,14 +16,24 @@ only:
 
 Each trajectory's return is the sum of its rewards; its advantage is broadcast to its valid steps under
 ``keys.ADVANTAGE`` [N, T, 1], as :class:`~tokengym.transforms.GroupAdvantage` writes it.
+
+A collected batch says how many players its games have (its prompt table's seat metadata,
+:func:`~tokengym.llm_envs.turns.self_play.batch_players`): another ``num_players``, or a batch with no roles (not
+self-play), raises a ValueError. With ``baseline="group"``, a batch in which every ``(group_id, role)`` holds one
+trajectory (``games_per_group=1``, the env's default) gets advantages of 0 and a
+:class:`~tokengym.errors.TokenGymWarning`, once per transform.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from tensordict import TensorDictBase
 
 from tokengym.llm_envs import keys
+from tokengym.llm_envs.errors import TokenGymWarning
+from tokengym.llm_envs.turns.self_play import batch_players
 from tokengym.transforms._base import BatchTransform
 from tokengym.transforms._checks import check_number, require
 from tokengym.transforms.advantages import AdvantageEstimator
@@ -31,6 +41,12 @@ from tokengym.transforms.group_advantages import group_advantages, sequence_scor
 
 __all__ = ["RoleAdvantage", "trajectory_roles"]
 
+_ONE_PER_ROLE = (
+    "{owner}: every (group, role) of the batch holds one trajectory ({n} of them: games_per_group=1, the self-play "
+    "env's default), so every advantage is 0 and the loss trains on nothing; play several games per seed: "
+    "make_self_play_env(..., games_per_group=4) (games_per_group >= 2), or use baseline='ema' (SPIRAL's baseline per "
+    "role)"
+)
 _BASELINES = ("group", "ema")
 _ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
@@ -57,6 +73,10 @@ class RoleAdvantage(BatchTransform):
         decay: for ``baseline="ema"``: the weight of the old baseline, in [0, 1).
         eps: added to the std (GRPO).
         reward_key: the reward summed into a trajectory's return.
+
+    Raises:
+        ValueError: at the call, a collected batch whose prompts say its games have another number of players, or
+            that has no roles (not collected from a self-play env).
 
     Example:
         >>> from tokengym.testing import make_trajectory_batch
@@ -86,18 +106,47 @@ class RoleAdvantage(BatchTransform):
         self.eps = check_number("eps", eps, low=0.0)
         self.reward_key = reward_key
         self.register_buffer("baselines", torch.zeros(num_players, dtype=torch.float64))
+        self._has_warned = False
 
     def transform_batch(self, td: TensorDictBase) -> TensorDictBase:
         owner = type(self).__name__
+        self._check_players(td, owner)
         seq, scores, groups = sequence_scores(td, reward_key=self.reward_key, owner=owner)
         roles = trajectory_roles(td, seq, self.num_players, owner)
         if self.baseline == "group":
-            adv = group_advantages(scores, groups * self.num_players + roles, self.estimator, eps=self.eps)
+            seats = groups * self.num_players + roles
+            self._warn_one_per_role(td, seq, seats)
+            adv = group_advantages(scores, seats, self.estimator, eps=self.eps)
         else:
             adv = (scores.double() - self._update_baselines(scores.double(), roles)[roles]).float()
         mask = seq >= 0
         td.set(keys.ADVANTAGE, (adv[seq.clamp(min=0)] * mask).unsqueeze(-1))
         return td
+
+    def _check_players(self, td: TensorDictBase, owner: str) -> None:
+        """A ValueError when the batch's prompts say its games have another number of players, or no roles."""
+        players = batch_players(td)
+        if players is None or players == self.num_players:
+            return
+        if not players:
+            raise ValueError(f"{owner}(num_players={self.num_players}) got a batch with no roles: its prompts carry no "
+                             f"'role' metadata (it was not collected from a self-play env); collect it from "
+                             f"make_self_play_env(...) (or make_textarena_self_play_env), or use GroupAdvantage for "
+                             f"single-player batches")  # fmt: skip
+        sample, mask = td.get(keys.SAMPLE_ID), td.get(keys.MASK, None)
+        seen = sorted(set((sample if mask is None else sample[mask]).remainder(players).tolist()))
+        raise ValueError(f"{owner}(num_players={self.num_players}) got a batch of {players}-player games (roles seen "
+                         f"{seen}, from its prompts' metadata): its roles would be sample_id % {self.num_players}, "
+                         f"the wrong seats; build {owner}(num_players={players})")  # fmt: skip
+
+    def _warn_one_per_role(self, td: TensorDictBase, seq: torch.Tensor, seats: torch.Tensor) -> None:
+        """Warn (once) when every (group, role) holds one trajectory: per-role GRPO gives every advantage 0."""
+        if self._has_warned or not len(seats) or len(torch.unique(seats)) != len(seats):
+            return
+        if bool((td.get(keys.SAMPLE_ID)[seq >= 0] >= self.num_players).any()):
+            return  # fragments of groups of several games (split across batches): other batches hold the rest
+        self._has_warned = True
+        warnings.warn(_ONE_PER_ROLE.format(owner=type(self).__name__, n=len(seats)), TokenGymWarning, stacklevel=3)
 
     def _update_baselines(self, scores: torch.Tensor, roles: torch.Tensor) -> torch.Tensor:
         """Move each role's baseline toward the batch's mean return of that role (roles absent keep theirs)."""

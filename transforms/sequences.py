@@ -20,6 +20,7 @@ from tokengym.transforms._checks import (
     require,
     valid_mask,
 )
+from tokengym.transforms.token_log_probs import TokenScorer, final_hidden_states
 
 __all__ = ["SequenceLayout", "sequence_log_probs", "sequence_layout", "step_log_probs",
            "check_trajectory_rows"]
@@ -30,7 +31,9 @@ def sequence_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor
     """Log-prob of each token given its prefix, from one forward of a transformers causal LM.
 
     Position ids come from the attention mask, so left padding scores exactly like no padding. The model runs on its
-    own device (the inputs go there); the result is on ``tokens``' device.
+    own device (the inputs go there); the result is on ``tokens``' device. Memory: the last hidden states and one
+    chunk of logits at a time (:class:`~tokengym.transforms.TokenScorer`), never (N, L, V), for a model that exposes
+    its decoder and output layer (``get_decoder``, ``get_output_embeddings``); another model's whole logits.
 
     Args:
         model: a transformers causal LM (anything returning ``.logits`` of shape (N, L, V)).
@@ -63,6 +66,17 @@ def sequence_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor
     home, device = tokens.device, input_device(model)
     tokens, attention_mask = tokens.to(device), attention_mask.to(device).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    split = final_hidden_states(model, input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids)
+    if split is not None:  # the output layer per chunk of scored tokens: no (N, L, V) logits
+        hidden, head, softcap = split
+        tokens, attention_mask = tokens.to(hidden.device), attention_mask.to(hidden.device)
+        scored = torch.zeros(tokens.shape, dtype=torch.bool, device=hidden.device)
+        scored[:, 1:] = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool()
+        rows = (torch.arange(tokens.numel(), device=hidden.device) - 1).reshape(tokens.shape)[scored]
+        scorer = TokenScorer(hidden.flatten(0, 1), head, temperature=temperature, softcap=softcap)
+        result = torch.zeros(tokens.shape, dtype=torch.float32, device=hidden.device)
+        result[scored] = scorer.log_probs(rows, tokens[scored])
+        return result.to(home)
     out = model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     logits = out.logits[:, :-1].float()  # (N, L-1, V) on the model's output device
     if temperature != 1.0:

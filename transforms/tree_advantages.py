@@ -29,7 +29,7 @@ from tokengym.transforms.sequences import check_trajectory_rows
 
 __all__ = ["TreeAdvantage", "tree_leaf_counts"]
 
-_ESTIMATORS = ("treerl", "treepo", "grpo", "dr_grpo")
+_ESTIMATORS = ("treerl", "treerl_code", "treepo", "grpo", "dr_grpo")
 _REWEIGHTS = ("sqrt", "count", "none")  # TreeRL's repo: weighted_value_style "sqrt", "uniform", "original"
 _SUBGROUP_WEIGHTS = ("average", "group_size")  # TreePO's repo: adv_weight_strategy
 _TREE_CONTRACT = ("a leaf's steps before its fork are copies of its parent's (the same BRANCH_ID), its own steps "
@@ -43,6 +43,7 @@ class _Tree(NamedTuple):
     count: torch.Tensor  # int64 (N, T) |L(n)| of the step's node
     value: torch.Tensor  # float64 (N, T) V(n) of the step's node
     parent: torch.Tensor  # float64 (N, T) V(parent(n)); V(root) for a node that starts a row
+    parent_count: torch.Tensor  # int64 (N, T) |L(parent(n))|; the tree's leaves for a node that starts a row
     boundary: torch.Tensor  # bool (N, T) the step starts a node of its row
     score: torch.Tensor  # float64 (N,) the leaf's reward
     root: torch.Tensor  # float64 (N,) V(root) of the leaf's tree
@@ -185,7 +186,8 @@ def _tree(td: TensorDictBase, reward_key, owner: str) -> _Tree:
     cols = torch.arange(width, device=mask.device).expand(n, width)
     start = torch.where(boundary, cols, 0).cummax(-1).values
     parent = torch.where(mask, parent_at.gather(1, start), 0.0)
-    return _Tree(mask, count, value, parent, boundary, score, root, leaves, group)
+    parent_count = torch.where(mask, torch.cat([leaves[:, None], count[:, :-1]], 1).gather(1, start), 0)
+    return _Tree(mask, count, value, parent, parent_count, boundary, score, root, leaves, group)
 
 
 def tree_leaf_counts(batch: TensorDictBase) -> torch.Tensor:
@@ -219,14 +221,21 @@ class TreeAdvantage(BatchTransform):
     rewards summed), ``L(n)`` the leaves under node ``n``, ``V(n)`` their mean reward, ``V(root)`` the tree's mean.
 
     Estimators:
-        ``"treerl"``: TreeRL (Hou et al., "TreeRL: LLM Reinforcement Learning with On-Policy Tree Search", ACL 2025,
-        arXiv 2506.11902, its process supervision; github.com/THUDM/TreeRL ``tree_node.py``). Every token
-        of node ``n`` gets ``R(n) = (G_A(n) + L_A(n)) / sqrt(|L(n)|)`` with the global advantage
+        ``"treerl"``: the formula of the TreeRL paper (Hou et al., "TreeRL: LLM Reinforcement Learning with
+        On-Policy Tree Search", ACL 2025, arXiv 2506.11902, its process supervision), not its released code. Every
+        token of node ``n`` gets ``R(n) = (G_A(n) + L_A(n)) / sqrt(|L(n)|)`` with the global advantage
         ``G_A(n) = V(n) - V(root)`` and the local advantage ``L_A(n) = V(n) - V(parent(n))``; the parent of a
         node that starts at the first step is the root. ``reweight="count"`` divides by ``|L(n)|`` instead,
-        ``"none"`` not at all (the repository's ``weighted_value_style`` "uniform" and "original"). This is the
-        paper's formula; the repository's training path also centres leaf rewards leave-one-out and normalises
-        node values over the tree, which is not reproduced here.
+        ``"none"`` not at all.
+        ``"treerl_code"``: what the released code (github.com/THUDM/TreeRL, ``openrlhf/trainer/ppo_utils/
+        parallel_mcts.py``: ``leaf_normalize``, ``compute_weighted_update``, ``path_from_root_to_node`` with
+        ``parent_shift``) computes: each leaf's reward is centred leave-one-out, ``c_i = r_i - mean_{j != i} r_j``
+        (a tree of one leaf: 0), ``V'(n)`` is the mean of ``c`` over ``L(n)`` (so ``V'(root) = 0``), and every
+        token of node ``n`` gets ``V'(n) / sqrt(|L(n)|) - V'(parent(n)) / sqrt(|L(parent(n))|)`` (the value is
+        divided by the square root of its leaves before the parent's is subtracted; the root's leaves are the
+        tree's). ``reweight`` as above (the code's ``weighted_value_style`` "sqrt", "uniform", "original"). Its
+        other options are not reproduced: ``use_state_value_reward`` averages this with ``V'(n) / sqrt(|L(n)|)``,
+        ``fill_in_paths`` gives a node whose value is exactly 0 its parent's value.
         ``"treepo"``: TreePO ("TreePO: Bridging the Gap of Policy Optimization and Efficacy and Inference
         Efficiency with Heuristic Tree-based Modeling", arXiv 2508.17445, its tree-based advantage; as released
         in github.com/multimodal-art-projection/TreePO ``verl/trainer/ppo/core_algos.py``
@@ -249,7 +258,7 @@ class TreeAdvantage(BatchTransform):
     :class:`~tokengym.transforms.WeightedLoss` (``"token_mean"``) the objective is
     ``sum_i sum_t mask * w * l_{i,t} / sum mask = sum_{tree tokens k} mean_{i in L(k)} l_{i,k} / sum mask``: each
     distinct token once, with the mean of its copies' terms (the copies share context and token, so log-prob and
-    ratio; under ``"treerl"`` also the advantage, so the mean is the one term; under ``"grpo"``/``"treepo"`` the
+    ratio; under ``"treerl"``/``"treerl_code"`` also the advantage, so the mean is the one term; under ``"grpo"``/``"treepo"`` the
     leaves' advantages differ, and for an unclipped ratio the mean is the term of their mean advantage, under
     ``"grpo"`` ``(V(n) - mean) / std``). The
     normaliser still counts every copy (row tokens, as ``WeightedLoss`` documents), a factor distinct / row tokens
@@ -260,9 +269,10 @@ class TreeAdvantage(BatchTransform):
     ``1 / sqrt(|L(n)|)`` times).
 
     Args:
-        estimator: ``"treerl"``, ``"treepo"``, ``"grpo"`` or ``"dr_grpo"``.
+        estimator: ``"treerl"``, ``"treerl_code"``, ``"treepo"``, ``"grpo"`` or ``"dr_grpo"``.
         weight_shared: multiply ``keys.LOSS_WEIGHT`` by ``1 / |L(n)|`` (above).
-        reweight: ``"treerl"`` only: ``"sqrt"`` (default, the paper's), ``"count"`` or ``"none"``.
+        reweight: ``"treerl"`` and ``"treerl_code"`` only: ``"sqrt"`` (default, the paper's), ``"count"`` or
+            ``"none"``.
         subgroup_weight: ``"treepo"`` only: ``"average"`` (default, the released recipe's) or ``"group_size"``.
         segment_length: ``"treepo"`` only: count subgroups per fixed-length segment of this many steps.
         normalize: whiten the token advantages over the batch; default True for ``"treepo"`` only.
@@ -293,12 +303,13 @@ class TreeAdvantage(BatchTransform):
         if estimator not in _ESTIMATORS:
             raise ValueError(f"unknown tree estimator {estimator!r}; use one of {list(_ESTIMATORS)}")
         self.estimator = estimator
-        for name, value, owner, choices in (("reweight", reweight, "treerl", _REWEIGHTS),
-                                            ("subgroup_weight", subgroup_weight, "treepo", _SUBGROUP_WEIGHTS),
-                                            ("segment_length", segment_length, "treepo", None)):  # fmt: skip
-            if value is not None and estimator != owner:
-                raise ValueError(f"{name} applies to the {owner!r} estimator only, got {name}={value!r} with "
-                                 f"{estimator!r}; leave it out")  # fmt: skip
+        for name, value, owners, choices in (("reweight", reweight, ("treerl", "treerl_code"), _REWEIGHTS),
+                                             ("subgroup_weight", subgroup_weight, ("treepo",), _SUBGROUP_WEIGHTS),
+                                             ("segment_length", segment_length, ("treepo",), None)):  # fmt: skip
+            if value is not None and estimator not in owners:
+                raise ValueError(f"{name} applies to the {' and '.join(map(repr, owners))} estimator"
+                                 f"{'s' if len(owners) > 1 else ''} only, got {name}={value!r} with {estimator!r}; leave "
+                                 "it out")  # fmt: skip
             if value is not None and choices is not None and value not in choices:
                 raise ValueError(f"unknown {name} {value!r}; use one of {list(choices)}")
         if segment_length is not None and (isinstance(segment_length, bool) or not isinstance(segment_length, int)
@@ -326,6 +337,8 @@ class TreeAdvantage(BatchTransform):
                              f"group_size={self.group_size}; collect whole trees of group_size leaves")  # fmt: skip
         if self.estimator == "treerl":
             adv = self._treerl(tree)
+        elif self.estimator == "treerl_code":
+            adv = self._treerl_code(tree)
         elif self.estimator == "treepo":
             adv = self._treepo(tree)[:, None]
         else:
@@ -341,10 +354,22 @@ class TreeAdvantage(BatchTransform):
     def _treerl(self, tree: _Tree) -> torch.Tensor:
         """``(G_A + L_A) / sqrt(|L(n)|)`` per token, float64 (N, T)."""
         advantage = (tree.value - tree.root[:, None]) + (tree.value - tree.parent)
-        count = tree.count.clamp(min=1).double()
+        return advantage * self._scale(tree.count)
+
+    def _treerl_code(self, tree: _Tree) -> torch.Tensor:
+        """``V'(n) / sqrt(|L(n)|) - V'(parent) / sqrt(|L(parent)|)`` per token, float64 (N, T), with ``V'`` the mean
+        leave-one-out centred reward: ``c_i = r_i - (S - r_i) / (N - 1) = N / (N - 1) * (r_i - V(root))``."""
+        n = tree.leaves[:, None].double()
+        loo = torch.where(n > 1, n / (n - 1).clamp(min=1), 0.0)  # a tree of one leaf: 0
+        node = loo * (tree.value - tree.root[:, None]) * self._scale(tree.count)
+        parent = loo * (tree.parent - tree.root[:, None]) * self._scale(tree.parent_count)
+        return node - parent
+
+    def _scale(self, count: torch.Tensor) -> torch.Tensor:
+        """The ``reweight`` factor of ``|L|`` (float64): ``1 / sqrt``, ``1 / count`` or 1."""
+        count = count.clamp(min=1).double()
         scales = {"sqrt": count.rsqrt, "count": count.reciprocal, "none": lambda: torch.ones_like(count)}
-        scale = scales[self.reweight]()
-        return advantage * scale
+        return scales[self.reweight]()
 
     def _treepo(self, tree: _Tree) -> torch.Tensor:
         """The mean over the leaf's subgroups of ``r_i - V(subgroup)`` per leaf, float64 (N,)."""

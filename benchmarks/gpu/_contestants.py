@@ -331,3 +331,42 @@ def grpo_iteration(job: Job, group_size: int, sync) -> dict:
             "padded_shape": marks["shape"], "loss": rows[0]["loss"], "train_has_device": has_device,
             "version_bumped": policy.version > version,
             "peak_bytes": torch.cuda.max_memory_allocated(job.device) if is_cuda else None}  # fmt: skip
+
+
+def train_step_memory(model, device: torch.device, rows: int, new_tokens: int, *, full_logits: bool,
+                      max_tokens: int | None, checkpointing: bool, sync) -> dict:  # fmt: skip
+    """One GRPO training step (``tokengym.training.train_step``: GRPOLoss(PaddedSequenceActor), backward, SGD with
+    lr 0: no optimizer state) on a synthetic padded batch of ``rows`` x (32 + ``new_tokens``) tokens on ``device``:
+    the peak allocated above the weights and the seconds of a second step (the first warms the allocator)."""
+    from torchrl.objectives.llm import GRPOLoss
+
+    from tokengym.collectors.policies import PaddedSequenceActor
+    from tokengym.testing import make_trajectory_batch
+    from tokengym.training import TrainOptions, train_step
+    from tokengym.transforms import GroupAdvantage, to_padded
+
+    vocab = model.config.vocab_size
+    lengths = [new_tokens - (i * 7) % max(1, new_tokens // 4) for i in range(rows)]
+    batch = make_trajectory_batch(lengths, group_size=8, prompt_len=30, vocab=vocab, steps=new_tokens)
+    padded = to_padded(GroupAdvantage("grpo")(batch)).to(device)
+    loss = GRPOLoss(PaddedSequenceActor(model, full_logits=full_logits), entropy_bonus=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    options = TrainOptions(micro_batch_tokens=max_tokens, gradient_checkpointing=checkpointing)
+    is_cuda = device.type == "cuda"
+    try:
+        train_step(padded.clone(), loss, optimizer, options=options)
+        model.zero_grad(set_to_none=True)
+        sync()
+        base = torch.cuda.memory_allocated(device) if is_cuda else 0
+        if is_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        t = time.perf_counter()
+        train_step(padded.clone(), loss, optimizer, options=options)
+        sync()
+        seconds = time.perf_counter() - t
+        peak = torch.cuda.max_memory_allocated(device) - base if is_cuda else None
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        del optimizer
+    return {"s": seconds, "peak_above_bytes": peak, "shape": list(padded.batch_size)}

@@ -29,12 +29,16 @@ import torch
 
 SIZES = {  # B of the throughput runs (the first is the main one), new tokens, GRPO and sync-count shapes
     "real": {"batch_sizes": (64, 8, 256), "wave_sizes": (64, 256), "new_tokens": 128,
-             "grpo": (8, 8, 256), "syncs": (64, 64, 8), "budget_s": 230.0},
+             "grpo": (8, 8, 256), "syncs": (64, 64, 8), "budget_s": 230.0,
+             # rows, new tokens, token budget per micro-batch (None: whole batch), checkpointing, whole logits too
+             "train_memory": ((64, 256, None, False, True), (64, 256, 4096, True, False),
+                              (64, 4096, 16384, True, False))},
     "tiny": {"batch_sizes": (8, 4), "wave_sizes": (8,), "new_tokens": 16,
-             "grpo": (2, 4, 16), "syncs": (8, 32, 4), "budget_s": None},
+             "grpo": (2, 4, 16), "syncs": (8, 32, 4), "budget_s": None,
+             "train_memory": ((8, 16, None, False, True), (8, 16, 64, True, False))},
 }  # fmt: skip
 QUICK = {"real": {"batch_sizes": (64,), "wave_sizes": (64,), "grpo": (8, 8, 64)}, "tiny": {}}
-SECTIONS = ("throughput", "syncs", "memory", "grpo")
+SECTIONS = ("throughput", "syncs", "memory", "grpo", "train_memory")
 T0 = time.perf_counter()
 
 
@@ -259,6 +263,35 @@ def grpo(ctx: Context, B: int) -> None:
     ctx.add("grpo", "peak allocated, GiB", n_prompts * group, peak)
 
 
+def train_memory(ctx: Context, B: int) -> None:
+    """One GRPO training step on synthetic batches: peak allocated above the weights and seconds. Where a plan row asks,
+    whole logits against chunked log-probs at the same (no) micro-batches first; then the recommended settings (a token
+    budget, checkpointing). Goals: [64, 288] <= 8 GiB; [64, 4128] fits in 40 GiB; chunked / whole <= 1.15."""
+    for rows, new_tokens, budget, checkpointing, compare in ctx.plan["train_memory"]:
+        runs = [(True, None, False), (False, None, False)] if compare else []
+        if (budget, checkpointing) != (None, False) or not compare:
+            runs.append((False, budget, checkpointing))  # the recommended settings, unless the pair already ran them
+        whole_s = None
+        for full, b, ckpt in runs:
+            name = (f"{'whole logits' if full else 'chunked'}, budget {b or '-'}, checkpointing {'on' if ckpt else 'off'}"
+                    f" [{rows}, {32 + new_tokens}]: s per step")  # fmt: skip
+            try:
+                out = cs.train_step_memory(ctx.model, ctx.device, rows, new_tokens, full_logits=full, max_tokens=b,
+                                           checkpointing=ckpt, sync=ctx.sync)  # fmt: skip
+            except torch.OutOfMemoryError as err:
+                ctx.add("train_memory", name, rows, cs.error_text(err))
+                ctx.free()
+                continue
+            peak = "n/a" if out["peak_above_bytes"] is None else f"{out['peak_above_bytes'] / GIB:.2f}"
+            is_pair = compare and not full and b is None and whole_s is not None
+            ratio = out["s"] / whole_s if is_pair else None
+            ctx.add("train_memory", name, rows, out["s"], whole_s if is_pair else None, ratio,
+                    "chunked / whole <= 1.15" if is_pair else "", (ratio <= 1.15) if is_pair else None,
+                    note=f"(peak {peak} GiB above the weights; padded {out['shape']})")  # fmt: skip
+            whole_s = out["s"] if full else whole_s
+            ctx.free()
+
+
 def fits_budget(ctx: Context, B: int) -> bool:
     """Whether a throughput run at B would end before the deadline (estimated from the main B's runs)."""
     if ctx.deadline is None or ctx.run_seconds is None:
@@ -310,9 +343,10 @@ def main(argv=None) -> int:
     main_b, *extra_b = ctx.plan["batch_sizes"]
     if "throughput" in wanted:
         run_section(ctx, f"throughput B={main_b}", throughput, main_b)
-    for name in ("syncs", "memory", "grpo"):
+    for name in ("syncs", "memory", "grpo", "train_memory"):
         if name in wanted:
-            run_section(ctx, name, {"syncs": syncs, "memory": memory, "grpo": grpo}[name], main_b)
+            run_section(ctx, name, {"syncs": syncs, "memory": memory, "grpo": grpo, "train_memory": train_memory}[name],
+                        main_b)  # fmt: skip
     for B in extra_b if "throughput" in wanted else ():
         if fits_budget(ctx, B):
             run_section(ctx, f"throughput B={B}", throughput, B)

@@ -1,7 +1,8 @@
 """How tokens are generated (``tokengym.collectors.policies``): the policy protocols (:class:`TokenPolicy`, the
 base; :class:`StepPolicy` and :class:`WavePolicy`; one "fits this env" check, :func:`check_fits_env`) and their
 backends — transformers with a per-slot KV cache (steps and waves), vLLM in-process and on running
-servers (waves), a policy
+servers (waves), the engine dialects behind the vLLM backends (:class:`WaveDialect`, :class:`ServerDialect`,
+:class:`EngineDialect`, in ``tokengym.collectors.policies.dialects``: what another engine implements), a policy
 stepped with a reference model, the sampler, the sequence actors the losses read, and LoRA (PEFT) models as
 policies (:class:`~tokengym.collectors.policies.AdaptersDisabled`, :func:`~tokengym.collectors.policies.adapter_weights`,
 :func:`~tokengym.collectors.policies.merged_weights`).
@@ -11,7 +12,9 @@ in ``tokengym.collectors``.
 """
 
 from tokengym.collectors.policies._server_options import RequestRejected
+from tokengym.collectors.policies._vllm_dialect import VLLMEngineDialect, VLLMServerDialect
 from tokengym.collectors.policies._wave_core import WaveCore
+from tokengym.collectors.policies.dialects import EngineDialect, ServerDialect, WaveDialect, check_dialect
 from tokengym.collectors.policies.kv_cache import SlotKVCache
 from tokengym.collectors.policies.lora import AdaptersDisabled, adapter_weights, merged_weights
 from tokengym.collectors.policies.prefix_store import PrefixStore
@@ -28,7 +31,12 @@ from tokengym.collectors.policies.protocol import (
 )
 from tokengym.collectors.policies.reference_policy import PolicyWithReference, StepwiseReference
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
-from tokengym.collectors.policies.sequence_actor import MaskedCategorical, PaddedSequenceActor, SequenceActor
+from tokengym.collectors.policies.sequence_actor import (
+    ChunkedCategorical,
+    MaskedCategorical,
+    PaddedSequenceActor,
+    SequenceActor,
+)
 from tokengym.collectors.policies.shared_prefix_actor import SharedPrefixActor
 from tokengym.collectors.policies.transformers_policy import TransformersPolicy
 from tokengym.collectors.policies.vllm_policy import VLLMPolicy
@@ -37,11 +45,14 @@ from tokengym.collectors.policies.vllm_server_policy import ServerOptions, VLLMS
 
 __all__ = [
     "AdaptersDisabled",
+    "EngineDialect",
+    "ChunkedCategorical",
     "MaskedCategorical",
     "PaddedSequenceActor",
     "PolicyWithReference",
     "RequestRejected",
     "SamplingConfig",
+    "ServerDialect",
     "SequenceActor",
     "SharedPrefixActor",
     "SlotKVCache",
@@ -50,13 +61,17 @@ __all__ = [
     "StepwiseReference",
     "TokenPolicy",
     "TransformersPolicy",
+    "VLLMEngineDialect",
     "VLLMPolicy",
+    "VLLMServerDialect",
     "VLLMServerPolicy",
     "WaveCore",
+    "WaveDialect",
     "WavePolicy",
     "LocalVLLMServer",
     "ServerOptions",
     "adapter_weights",
+    "check_dialect",
     "check_fits_env",
     "check_policy",
     "is_token_policy",

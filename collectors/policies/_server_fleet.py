@@ -14,9 +14,13 @@ described so, with its log file when this process started it
 Requests are streamed: each row's tokens and log-probs are kept as they arrive (the dialect folds each chunk into
 its answer). That is what lets a wave stop early and go on later (partial rollouts, :meth:`ServerFleet.complete`'s
 ``until``): when the policy's ``interrupt`` is set (new weights published) or enough rows have ended
-(``WaveRequest.min_finished``), the rows in flight are aborted (the dialect's ``abort``) and keep what they received,
-unfinished. A server that fails mid-stream is another matter: its rows are sent again elsewhere *from the tokens
-they received* (prompt and tokens so far, the budget reduced, the same seed), so nothing it streamed is lost.
+(``WaveRequest.min_finished``), the fleet asks each server to abort the rows in flight by their request ids (the
+dialect's ``abort``) and goes on reading their streams until each ends: a row keeps every token its server generated,
+unfinished, and none is generated twice. What a server says it generated beyond what was received (its usage) is
+counted in ``server_discarded_tokens``; a server that cannot abort by id has its connections closed instead (logged
+once: what it generated after the last token read is lost). A server that fails mid-stream is another matter: its
+rows are sent again elsewhere *from the tokens they received* (prompt and tokens so far, the budget reduced, the same
+seed), so nothing it streamed is lost.
 
 What happens is logged under ``tokengym.collectors.policies`` (a server marked down and why: WARNING;
 a server back: INFO) and counted in :meth:`ServerFleet.counts` (servers up, failovers, revivals, requests
@@ -54,6 +58,7 @@ __all__ = ["Server", "ServerFleet", "describe_answer"]
 
 _log = logging.getLogger(__name__)
 _RETRY_PAUSE_S = 1.0  # before a control call without side effects is sent again
+_ABORT_WAIT_S = 0.5  # for aborted streams to end before the requests still streaming are aborted again
 _ENGINE_DIED = ("EngineCore", "EngineDead")  # what vLLM's 500 answers say once its engine process failed
 
 
@@ -79,8 +84,12 @@ class Server:
     down_since: float = 0.0
     has_missed_weights: bool = False
     """A weight update went by while it was down (warned once; it reloads when it comes back)."""
-    attempts: set = dataclasses.field(default_factory=set)
-    """Requests in flight on it (cancelled, and sent elsewhere, when it goes down)."""
+    attempts: dict = dataclasses.field(default_factory=dict)
+    """Requests in flight on it: each attempt's task and the request it streams (cancelled, and sent elsewhere, when
+    it goes down; aborted by their ids when a wave stops)."""
+    aborts_by_id: bool = True
+    """Whether it aborts a request named by its id (else a stopped wave closes its connections)."""
+    has_warned_abort: bool = False
 
 
 class _Run:
@@ -139,7 +148,7 @@ class ServerFleet:
 
     Args:
         urls: base URLs (``http://host:port``), one per server.
-        dialect: the engine's server dialect (:mod:`._dialect`): where a generation request is POSTed, how it
+        dialect: the engine's server dialect (a ``ServerDialect``): where a generation request is POSTed, how it
             is streamed and its chunks read, how a row goes on from its tokens, how requests are aborted.
         options: a :class:`ServerOptions`.
     """
@@ -152,7 +161,7 @@ class ServerFleet:
         self.revive: Callable | None = None  # async (server) -> None: make a returning server current
         self.has_key = server_key(self.options) is not None
         self.counters = {"server_failovers": 0, "server_revivals": 0, "server_reloads": 0, "retried_requests": 0,
-                         "failover_kept_tokens": 0}  # fmt: skip
+                         "failover_kept_tokens": 0, "server_discarded_tokens": 0}  # fmt: skip
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="tokengym-server-fleet", daemon=True
@@ -247,8 +256,9 @@ class ServerFleet:
 
     def counts(self) -> dict[str, int]:
         """``servers_up`` now; failovers (servers marked down), revivals (servers back), weight reloads into a server,
-        requests sent more than once (each counted once) and the tokens they had received from a server that failed
-        (kept: the request went on from them), since the fleet was made."""
+        requests sent more than once (each counted once), the tokens they had received from a server that failed
+        (kept: the request went on from them) and the tokens servers said they generated but this client did not
+        receive (``server_discarded_tokens``), since the fleet was made."""
         return {"servers_up": len(self.up()), **self.counters}
 
     def failures(self) -> str:
@@ -279,8 +289,8 @@ class ServerFleet:
         """Send every payload to :attr:`generate_path` and return the answers in order (exactly one each).
 
         Each answer is the dialect's (``dialect.answer()``, filled by the chunks streamed); with ``until``, the wave
-        may stop early and the rows still in flight are aborted: their answers hold what they received and the
-        dialect's ``finished`` says False."""
+        may stop early and the rows still in flight are aborted: each stream is read to its end, so their answers hold
+        every token their server generated, and the dialect's ``finished`` says False."""
         return self.run(self._wave(payloads, keys, until or WaveStop()))
 
     async def _wave(self, payloads: list[dict], keys: list, until: WaveStop) -> list:
@@ -296,7 +306,7 @@ class ServerFleet:
         stopped = asyncio.ensure_future(run.stopped.wait())
         try:
             await asyncio.wait({rows, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            if not rows.done():  # told to stop: abort what is in flight, every row keeps what it received
+            if not rows.done():  # told to stop: abort what is in flight; each stream is read to its end
                 await self._abort()
             await rows
         except BaseException:
@@ -309,9 +319,40 @@ class ServerFleet:
         return run.answers
 
     async def _abort(self) -> None:
-        for server in self.servers:
-            if server.attempts:
-                await self.dialect.abort(self, server, list(server.attempts))
+        await asyncio.gather(*(self._abort_on(s) for s in self.servers if s.attempts))
+
+    async def _abort_on(self, server: Server) -> None:
+        """Abort the requests in flight on ``server`` and wait until their streams end (each holds every token the
+        server generated); a request still on its way when the server was asked is aborted once it arrives. A server
+        that cannot abort by id, or whose streams do not end within ``control_timeout_s``, has them closed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.control_timeout_s
+        pending = dict(server.attempts)
+        while pending:
+            why = None
+            if server.aborts_by_id:
+                try:
+                    server.aborts_by_id = await self.dialect.abort(self, server, list(pending.values()))
+                except (httpx.HTTPError, RequestRejected, OSError) as err:
+                    why = f"its abort failed ({_describe(err)})"
+            if why is None and not server.aborts_by_id:
+                why = "it cannot abort a request by its id"
+            if why is None:
+                await asyncio.wait(pending, timeout=_ABORT_WAIT_S)
+                pending = {a: r for a, r in pending.items() if not a.done()}
+                if not pending:
+                    return
+                if loop.time() < deadline:
+                    continue
+                why = f"its aborted streams did not end in {self.options.control_timeout_s:.0f} s"
+            if not server.has_warned_abort:
+                server.has_warned_abort = True
+                _log.warning("%s server %s: %s, so the %d request(s) a stopped wave leaves on it are closed: what it "
+                             "generated after the last token read is lost (not counted)", self.dialect.name,
+                             server.url, why, len(pending))  # fmt: skip
+            for attempt in pending:
+                attempt.cancel()
+            return
 
     def _pick(self, key) -> Server:
         server = self.sticky.get(key) if key is not None else None
@@ -350,8 +391,9 @@ class ServerFleet:
             if sent == 1:  # its first attempt failed: sent again (counted once, however many sends it takes)
                 self.counters["retried_requests"] += 1
             sent += 1
-            attempt = asyncio.ensure_future(self._stream(server, body, answer, run))
-            server.attempts.add(attempt)
+            streamed = self.dialect.stream(body)
+            attempt = asyncio.ensure_future(self._stream(server, streamed, answer, run))
+            server.attempts[attempt] = streamed
             server.outstanding += 1
             try:
                 await asyncio.wait({attempt})
@@ -359,9 +401,12 @@ class ServerFleet:
                 attempt.cancel()
                 raise
             finally:
-                server.attempts.discard(attempt)
+                server.attempts.pop(attempt, None)
                 server.outstanding -= 1
             kept = self.dialect.received(answer)
+            generated = self.dialect.generated(answer)  # what the server says it generated in this attempt
+            if generated is not None and generated > kept - before:
+                self.counters["server_discarded_tokens"] += generated - (kept - before)
             if attempt.cancelled():  # aborted (the wave stopped: keep what it has), or its server went down
                 self.counters["failover_kept_tokens"] += 0 if run.is_stopped else kept - before
                 continue
@@ -393,12 +438,12 @@ class ServerFleet:
             if not run.is_stopped:  # the stream ended without its end: a server that failed
                 self.mark_down(server, "its stream ended before the request did", moving=1)
 
-    async def _stream(self, server: Server, body: dict, answer, run: _Run) -> httpx.Response | None:
-        """One attempt: stream ``body``'s chunks into ``answer``; an error answer (>= 400) is returned, read."""
+    async def _stream(self, server: Server, streamed, answer, run: _Run) -> httpx.Response | None:
+        """One attempt: the chunks of ``streamed`` (``dialect.stream(row)``) into ``answer`` until its stream ends (a
+        wave told to stop aborts it: read on, its last tokens are kept); an error answer (>= 400) is returned, read."""
         o = self.options
         timeout = httpx.Timeout(o.request_timeout_s, connect=o.connect_timeout_s)
-        request = self._client.stream("POST", server.url + self.generate_path, json=self.dialect.stream(body),
-                                      timeout=timeout)  # fmt: skip
+        request = self._client.stream("POST", server.url + self.generate_path, json=streamed, timeout=timeout)
         async with asyncio.timeout(o.request_timeout_s), request as response:
             if response.status_code >= 400:
                 await response.aread()
@@ -415,8 +460,7 @@ class ServerFleet:
                 if not has_ended and self.dialect.finished(answer):
                     has_ended = True
                     run.ended += 1
-                if run.should_stop() and not has_ended:
-                    break  # leaving closes the connection: the server aborts the request
+                run.should_stop()  # the wave aborts this request: its stream goes on to its end
         return None
 
 

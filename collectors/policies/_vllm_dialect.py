@@ -1,6 +1,6 @@
 """vLLM's dialects: its OpenAI-compatible server (:class:`VLLMServerDialect`) and its in-process engine
 (:class:`VLLMEngineDialect`), the two engines behind :class:`~tokengym.collectors.policies.VLLMServerPolicy` and
-:class:`~tokengym.collectors.policies.VLLMPolicy` (protocols in :mod:`._dialect`).
+:class:`~tokengym.collectors.policies.VLLMPolicy` (protocols in :mod:`tokengym.collectors.policies.dialects`).
 
 Both send the same sampling fields and read the same processed log-probs, so a wave means the same on either: the
 same prompt, budget and seed give the same tokens. On a server every sampling field is sent, so its
@@ -12,6 +12,7 @@ its logit beats the others by ~80. In the engine they are ``-inf``.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Sequence
 
 from tokengym.collectors.policies._server_options import RequestRejected
@@ -25,10 +26,17 @@ _NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetit
 _BANNED_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
 _ABORTED = "abort"  # the finish reason of a request stopped before its end (vLLM's FinishReason.ABORT)
 _RESET_TRIES = 50  # a prefix-cache reset refused while blocks are held is retried every 20 ms, then forced
+_INITIAL_WEIGHTS = "default"  # vLLM's weight version until one is set (``/update_weight_version``)
 
 
 class VLLMServerDialect:
-    """vLLM's OpenAI-compatible server (``/v1/completions`` with token ids, ``VLLM_SERVER_DEV_MODE=1`` endpoints)."""
+    """vLLM's OpenAI-compatible server (``/v1/completions`` with token ids, ``VLLM_SERVER_DEV_MODE=1`` endpoints).
+
+    A :class:`~tokengym.collectors.policies.dialects.ServerDialect`. Every request is streamed under a request id of
+    its own; an abort names those ids (``POST /abort_requests``), so the server ends each stream with the tokens it
+    generated, and a server shared with other clients stops only this fleet's requests. The weights a server holds
+    are tagged with vLLM's weight version (``POST /update_weight_version``, read by ``GET /weight_info``).
+    """
 
     name = "vLLM"
     generate_path = "/v1/completions"
@@ -36,6 +44,7 @@ class VLLMServerDialect:
     max_stop_strings = 4  # the OpenAI completions API (and vLLM's) refuses more
     reload_hint = ("weight reload needs a server started with VLLM_SERVER_DEV_MODE=1 (it opens /collective_rpc and "
                    "/reset_prefix_cache)")  # fmt: skip
+    initial_weights = _INITIAL_WEIGHTS
 
     def sampling_fields(self, sampling: SamplingConfig) -> dict:
         fields = {**_NEUTRAL, **sampling_fields(sampling), "n": 1, "logprobs": 0, "ignore_eos": True,
@@ -66,31 +75,41 @@ class VLLMServerDialect:
         return {"choices": [{"token_ids": [], "logprobs": {"token_logprobs": []}, "finish_reason": None}]}
 
     def stream(self, row: dict) -> dict:
-        """``row`` streamed: one server-sent event per step, its new token ids and their log-probs."""
-        return dict(row, stream=True)
+        """``row`` streamed: one server-sent event per step, its new token ids and their log-probs, then the usage
+        (the tokens the server generated); under a request id of its own, which :meth:`abort` names."""
+        return dict(row, stream=True, stream_options={"include_usage": True},
+                    request_id=f"tokengym-{uuid.uuid4().hex}")  # fmt: skip
 
     def take(self, answer: dict, chunk: dict) -> None:
         """Fold one streamed chunk into ``answer``; an error event raises (``RequestRejected`` for a 4xx code, else
-        ``OSError``: the server failed, the row goes on elsewhere from its tokens)."""
+        ``OSError``: the server failed, the row goes on elsewhere from its tokens). An aborted request's last chunk
+        (``finish_reason`` ``"abort"``) is no end: the row stays unfinished."""
         error = chunk.get("error")
         if error is not None:
             code, message = int(error.get("code") or 500), str(error.get("message"))[:500]
             if code < 500:
                 raise RequestRejected(f"HTTP {code}: {message}", status_code=code)
             raise OSError(f"HTTP {code} (an error event in its stream): {message}")
-        if not chunk.get("choices"):  # a usage chunk
+        usage = chunk.get("usage")
+        if usage is not None:
+            answer["usage"] = int(usage.get("completion_tokens") or 0)
+        if not chunk.get("choices"):  # the usage chunk
             return
         part, into = chunk["choices"][0], answer["choices"][0]
         ids = part.get("token_ids") or []
         into["token_ids"] += ids
         if ids:
             into["logprobs"]["token_logprobs"] += (part.get("logprobs") or {}).get("token_logprobs") or []
-        if part.get("finish_reason") is not None:
+        if part.get("finish_reason") not in (None, _ABORTED):
             into["finish_reason"] = part["finish_reason"]
 
     def received(self, answer: dict) -> int:
         """Tokens ``answer`` holds."""
         return len(answer["choices"][0]["token_ids"])
+
+    def generated(self, answer: dict) -> int | None:
+        """The usage the last stream reported (tokens the server generated for it), then forgotten."""
+        return answer.pop("usage", None)
 
     def resume(self, row: dict, answer: dict) -> dict | None:
         """``row`` continued from the tokens ``answer`` received (its server failed mid-stream): prompt and tokens,
@@ -137,11 +156,37 @@ class VLLMServerDialect:
             await asyncio.sleep(0.02)
         raise OSError(f"{server.url} did not reset its prefix cache after new weights (it answered success=false)")
 
-    async def abort(self, fleet, server, attempts: Sequence) -> None:
-        """vLLM aborts a request whose connection closes: cancelling its attempt (which closes its stream) is the
-        abort."""
-        for attempt in attempts:
-            attempt.cancel()
+    async def abort(self, fleet, server, requests: Sequence) -> bool:
+        """``POST /abort_requests`` with the requests' ids (vLLM's engine ids: ``cmpl-{request_id}-0``): each stream
+        then ends with an ``"abort"`` chunk, every token generated before it streamed. False where the server has no
+        such endpoint (started without ``VLLM_SERVER_DEV_MODE=1``, or an older vLLM)."""
+        ids = [f"cmpl-{r['request_id']}-0" for r in requests]
+        try:
+            await fleet.call(server, "POST", "/abort_requests", {"request_ids": ids})
+        except RequestRejected as err:
+            if err.status_code in (404, 405):
+                return False
+            raise
+        return True
+
+    async def held_weights(self, fleet, server) -> str | None:
+        """vLLM's weight version (``GET /weight_info``): ``"default"`` until one is set; ``None`` where the server
+        has no such endpoint."""
+        try:
+            answer = await fleet.call(server, "GET", "/weight_info", retry=True)
+        except RequestRejected as err:
+            if err.status_code in (404, 405):
+                return None
+            raise
+        return None if not isinstance(answer, dict) else answer.get("weight_version")
+
+    async def tag_weights(self, fleet, server, tag: str) -> None:
+        """Set vLLM's weight version (``POST /update_weight_version``); a server without the endpoint keeps none."""
+        try:
+            await fleet.call(server, "POST", "/update_weight_version", {"new_version": tag})
+        except RequestRejected as err:
+            if err.status_code not in (404, 405):
+                raise
 
 
 class VLLMEngineDialect:

@@ -2,8 +2,8 @@
 
 :class:`WaveCore` is what :class:`~tokengym.collectors.policies.VLLMPolicy` (an engine in this process) and
 :class:`~tokengym.collectors.policies.VLLMServerPolicy` (a fleet of servers) share; a backend adds its dialect
-(``_dialect.py``: what differs per engine) and the two hooks that reach its engine. What an update sends is decided
-once for every backend (:func:`weight_sync_of`, :func:`update_tensors`, :func:`full_items`): the full weights, a LoRA
+(``tokengym.collectors.policies.dialects``: what differs per engine) and the two hooks that reach its engine. What an
+update sends is decided once for every backend (:func:`weight_sync_of`, :func:`update_tensors`, :func:`full_items`): the full weights, a LoRA
 adapter (engines that take adapters), or the base checkpoint with the adapter merged (engines that do not).
 
 Partial rollouts (a wave interrupted by new weights) have one place to go: a wave is one ``send_wave`` under

@@ -129,7 +129,8 @@ class SlotKVCache:
         # a new trajectory, or a cache ahead of the env (a step rolled back after a reward error): prefill
         stale = active & ((traj != self.traj) | (self.length >= seq_len))
         if bool(stale.any()):
-            held = ~stale & (traj == self.traj) & (self.length > 0)  # live or waiting rows: their columns stay
+            # live or waiting rows keep their columns; a vacated slot (seq_len 0: a finished tree left it idle) does not
+            held = ~stale & (traj == self.traj) & (self.length > 0) & (seq_len > 0)
             self.traj = torch.where(stale, traj, self.traj)
             self._refill(stale.nonzero().squeeze(-1), tokens, seq_len, held)
         grown = active & (self.length < seq_len - 1)
@@ -406,8 +407,9 @@ class SlotKVCache:
         rows = int(state["mask"].shape[0])
         if rows != self.batch_size:
             raise ValueError(f"this KV cache checkpoint holds {rows} slots, the cache has {self.batch_size}")
-        # a checkpoint loaded with map_location="cpu" goes back to the model's devices; bookkeeping to the host
-        self.kv = [(k.to(mine.device, copy=True), v.to(mine_v.device, copy=True))
+        # a checkpoint loaded with map_location="cpu" goes back to the model's devices (and dtype: a checkpoint of a
+        # float32 run resumed on a bfloat16 model); bookkeeping to the host
+        self.kv = [(k.to(mine.device, mine.dtype, copy=True), v.to(mine_v.device, mine_v.dtype, copy=True))
                    for (k, v), (mine, mine_v) in zip(state["kv"], self.kv, strict=True)]  # fmt: skip
         self.mask = state["mask"].to(self.device, copy=True)
         self.length, self.traj = state["length"].to("cpu", copy=True), state["traj"].to("cpu", copy=True)

@@ -21,8 +21,9 @@ from tokengym.collectors.policies.sampling import SamplingConfig, batch_sampling
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.devices import check_same_device, input_device
 from tokengym.transforms.sequences import sequence_layout
+from tokengym.transforms.token_log_probs import TokenScorer, final_hidden_states
 
-__all__ = ["MaskedCategorical", "PaddedSequenceActor", "SequenceActor"]
+__all__ = ["ChunkedCategorical", "MaskedCategorical", "PaddedSequenceActor", "SequenceActor"]
 
 _TEMPERATURE_MISMATCH = (
     "{owner}(temperature={mine}) scores the batch at temperature {mine}, but its policy sampled it at temperature "
@@ -35,6 +36,14 @@ _FILTERED = (
     "SamplingConfig(top_k=0, top_p=1.0) for training, or pass use_unfiltered=True to score without the filter (the "
     "ratio is then not 1 on-policy: correct the gap with tokengym.transforms.MismatchCorrection)"
 )
+
+
+def _check_chunking(chunk_size: int | None, full_logits: bool) -> None:
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int (positions whose logits are held at once) or None (about "
+                         f"128 MiB of float32 logits per chunk), got {chunk_size!r}")  # fmt: skip
+    if not isinstance(full_logits, bool):
+        raise TypeError(f"full_logits must be a bool, got {type(full_logits).__name__} {full_logits!r}")
 
 
 def _check_temperature(temperature: float | None) -> None:
@@ -61,7 +70,8 @@ class SequenceActor(TensorDictModuleBase):
 
     Reads a TRAJECTORIES batch (N, T) and its prompt table (``keys.PROMPTS``), runs the model once
     on left-padded prompt + response (N, P + T), and returns a categorical distribution over the
-    vocabulary per step; no step ever copies its context. It scores with the batch's sampling settings
+    vocabulary per step (kept as hidden states, scored a chunk of positions at a time: :class:`ChunkedCategorical`);
+    no step ever copies its context. It scores with the batch's sampling settings
     (module docstring), so the ratio against ``action_log_prob`` is a real importance ratio. A padding
     step (``keys.MASK`` False) is a point mass on its recorded action (log-prob 0, what the collector records
     there): ratio 1, no gradient, no entropy, whatever mask the loss applies.
@@ -73,6 +83,9 @@ class SequenceActor(TensorDictModuleBase):
         temperature: the sampling temperature; ``None`` (default) takes the batch's (1.0 for a batch that
             records none). One that differs from the batch's raises a ``ValueError``.
         use_unfiltered: score a batch sampled with top-k / top-p without the filter instead of refusing it.
+        chunk_size: positions whose logits ``get_dist`` and ``log_prob`` hold at once (:class:`ChunkedCategorical`);
+            None: about 128 MiB of float32 logits (512 MiB on a GPU).
+        full_logits: build the whole (N, T, V) float32 logits instead (the path before chunking; for comparison).
 
     Example:
         >>> from tokengym.testing import make_trajectory_batch, tiny_model, tiny_tokenizer
@@ -87,11 +100,12 @@ class SequenceActor(TensorDictModuleBase):
     out_keys = [keys.LOGITS]
 
     def __init__(self, model, *, pad_token_id: int | None = None, temperature: float | None = None,
-                 use_unfiltered: bool = False) -> None:  # fmt: skip
+                 use_unfiltered: bool = False, chunk_size: int | None = None, full_logits: bool = False) -> None:  # fmt: skip
         super().__init__()
         _check_temperature(temperature)
+        _check_chunking(chunk_size, full_logits)
         self.model, self.pad_token_id, self.temperature = model, pad_token_id, temperature
-        self.use_unfiltered = bool(use_unfiltered)
+        self.use_unfiltered, self.chunk_size, self.full_logits = bool(use_unfiltered), chunk_size, full_logits
 
     def scoring(self, tensordict: TensorDictBase) -> SamplingConfig:
         """The sampling settings this actor scores ``tensordict`` with (temperature and banned tokens)."""
@@ -125,20 +139,53 @@ class SequenceActor(TensorDictModuleBase):
         check_same_device(type(self).__name__, home, input_device(self.model))
         return self.logits(tensordict).to(home)
 
+    def chunked_dist(self, tensordict: TensorDictBase) -> ChunkedCategorical | None:
+        """The per-step distribution (N, T) kept as the model's last hidden states, scored in chunks of
+        ``chunk_size`` positions (see :class:`ChunkedCategorical`); None for ``full_logits`` or a model that does not
+        expose its decoder and output layer. On the model's output device."""
+        if self.full_logits:
+            return None
+        config = self.scoring(tensordict)
+        layout = sequence_layout(tensordict, pad_id=self.pad_token_id)
+        device = input_device(self.model)
+        attention_mask = layout.attention_mask.long().to(device)
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        split = final_hidden_states(self.model, input_ids=layout.tokens.to(device), attention_mask=attention_mask,
+                                    position_ids=positions)  # fmt: skip
+        if split is None:
+            return None
+        hidden, head, softcap = split  # (N, P + T, H)
+        columns = layout.columns.to(hidden.device)
+        # step t is predicted at the column before its token; padding steps are scored by no row (a point mass)
+        rows = torch.arange(columns.shape[0], device=hidden.device)[:, None] * hidden.shape[1] + columns - 1
+        mask = tensordict.get(keys.MASK, None)
+        valid = torch.ones_like(rows, dtype=torch.bool) if mask is None else mask.reshape(rows.shape).to(hidden.device)
+        scorer = TokenScorer(hidden.flatten(0, 1), head, temperature=config.temperature, softcap=softcap,
+                             banned=config.banned_ids(hidden.device), chunk_size=self.chunk_size)  # fmt: skip
+        return ChunkedCategorical(scorer, torch.where(valid, rows, -1), valid)
+
     def log_prob(self, tensordict: TensorDictBase) -> torch.Tensor:
         """Log-prob (N, T) of each step's action under the model (0 on padding): the trainer's log-probs that
         :class:`~tokengym.transforms.MismatchCorrection` compares with the sampler's (call it under ``torch.no_grad()``)."""
         action = tensordict.get(keys.ACTION)
+        dist = self.chunked_dist(tensordict)
+        if dist is not None:
+            return dist.log_prob(action.to(dist.index.device)).to(action.device)
         logits = self.logits(tensordict)
         return logits.log_softmax(-1).gather(-1, action.to(logits.device)[..., None]).squeeze(-1).to(action.device)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Writes ``keys.LOGITS`` (N, T, V) float32: the whole logits (a loss's ``get_dist`` does not build them)."""
         tensordict.set(keys.LOGITS, self._loss_logits(tensordict))
         return tensordict
 
     def get_dist(self, tensordict: TensorDictBase) -> torch.distributions.Categorical:
-        """The per-step categorical distribution (what ``ClipPPOLoss`` calls)."""
-        return torch.distributions.Categorical(logits=self._loss_logits(tensordict))
+        """The per-step distribution (what ``ClipPPOLoss`` calls): a :class:`ChunkedCategorical` that never holds
+        (N, T, V) logits, or with ``full_logits`` (or a model without a separate output layer) a ``Categorical``."""
+        home = tensordict.get(keys.ACTION).device
+        check_same_device(type(self).__name__, home, input_device(self.model))
+        dist = self.chunked_dist(tensordict)
+        return dist if dist is not None else torch.distributions.Categorical(logits=self._loss_logits(tensordict))
 
 
 class MaskedCategorical(torch.distributions.Categorical):
@@ -149,19 +196,65 @@ class MaskedCategorical(torch.distributions.Categorical):
         self.mask = mask
 
 
+class ChunkedCategorical(MaskedCategorical):
+    """A categorical per column of an (N, L) layout kept as the model's last hidden states: ``log_prob`` and
+    ``entropy`` apply the output layer to the scored columns only, a chunk at a time, in float32, each chunk
+    recomputed in backward (:class:`~tokengym.transforms.TokenScorer`), so no (N, L, V) tensor is built. A column that
+    no hidden row scores (``index`` -1: a prompt token, padding) has log-prob 0 and entropy 0, a point mass; the
+    losses' masks leave those columns out. Each of ``log_prob`` and ``entropy`` runs the output layer over the scored
+    columns once (an entropy bonus costs a second pass); ``logits`` is refused (build the actor with
+    ``full_logits=True`` for a distribution that holds them).
+
+    Args:
+        scorer: the hidden states and output layer.
+        index: int64 (N, L): the hidden row that scores each column, -1 for none.
+        mask: bool (N, L): the loss mask TorchRL's LLM losses read (``keys.ACTION_MASK``).
+    """
+
+    def __init__(self, scorer: TokenScorer, index: torch.Tensor, mask: torch.Tensor) -> None:
+        torch.distributions.Distribution.__init__(self, index.shape, validate_args=False)  # no (N, L, V) logits
+        self.scorer, self.index, self.mask = scorer, index, mask
+        self.has = index >= 0
+        self.rows = index[self.has]
+        self._num_events = getattr(scorer.head, "out_features", None) or scorer.head.weight.shape[0]
+
+    def _per_column(self, scored: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(self.index.shape, dtype=torch.float32, device=self.index.device)
+        out[self.has] = scored.to(out.device)
+        return out
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        return self._per_column(self.scorer.log_probs(self.rows, value.to(self.index.device)[self.has].long()))
+
+    def entropy(self) -> torch.Tensor:
+        return self._per_column(self.scorer.entropies(self.rows))
+
+    @property
+    def logits(self) -> torch.Tensor:  # (N, L, V): what the chunks avoid
+        raise NotImplementedError(
+            "ChunkedCategorical keeps no (N, L, V) logits (that is its point): read log_prob(tokens) / entropy(), or "
+            "build the actor with full_logits=True for a distribution that holds them"
+        )
+
+
 class PaddedSequenceActor(TensorDictModuleBase):
     """The policy as ``torchrl.objectives.llm.GRPOLoss`` sees it, on the padded layout of
     :func:`~tokengym.transforms.to_padded` (``keys.TOKENS`` = ``("tokens", "full")``).
 
     ``get_dist`` returns a distribution over the whole (N, L) sequence whose column ``j`` scores
     token ``j`` and whose ``mask`` is ``keys.ACTION_MASK`` (the generated tokens), so ``GRPOLoss``
-    runs on ``to_padded(batch)`` with its default keys. It scores with the sampling settings the layout's
+    runs on ``to_padded(batch)`` with its default keys. It holds the model's last hidden states and applies the
+    output layer to the generated columns a chunk at a time (:class:`ChunkedCategorical`): memory grows with the
+    tokens, never with (N, L, V). It scores with the sampling settings the layout's
     PromptTable records (``to_padded`` keeps it), as :class:`SequenceActor` does.
 
     Args:
         model: the transformers causal LM being trained.
         temperature: the sampling temperature; ``None`` (default) takes the batch's (1.0 if it records none).
         use_unfiltered: score a batch sampled with top-k / top-p without the filter instead of refusing it.
+        chunk_size: generated positions whose logits ``get_dist`` and ``log_prob`` hold at once
+            (:class:`ChunkedCategorical`); None: about 128 MiB of float32 logits (512 MiB on a GPU).
+        full_logits: build the whole (N, L, V) float32 logits instead (the path before chunking; for comparison).
 
     Example:
         >>> from torchrl.objectives.llm import GRPOLoss
@@ -177,10 +270,13 @@ class PaddedSequenceActor(TensorDictModuleBase):
     in_keys = [keys.TOKENS, keys.ATTENTION_MASK, keys.ACTION_MASK, keys.POSITION_IDS, keys.PROMPTS]
     out_keys = [keys.LOGITS]
 
-    def __init__(self, model, *, temperature: float | None = None, use_unfiltered: bool = False) -> None:
+    def __init__(self, model, *, temperature: float | None = None, use_unfiltered: bool = False,
+                 chunk_size: int | None = None, full_logits: bool = False) -> None:  # fmt: skip
         super().__init__()
         _check_temperature(temperature)
+        _check_chunking(chunk_size, full_logits)
         self.model, self.temperature, self.use_unfiltered = model, temperature, bool(use_unfiltered)
+        self.chunk_size, self.full_logits = chunk_size, full_logits
 
     def scoring(self, tensordict: TensorDictBase) -> SamplingConfig:
         """The sampling settings this actor scores ``tensordict`` with (temperature and banned tokens)."""
@@ -205,14 +301,49 @@ class PaddedSequenceActor(TensorDictModuleBase):
         tensordict.set(keys.LOGITS, self._logits(tensordict).to(home))
         return tensordict
 
+    def chunked_dist(self, tensordict: TensorDictBase) -> ChunkedCategorical | None:
+        """The distribution over the generated columns kept as the model's last hidden states, scored in chunks of
+        ``chunk_size`` positions (:class:`ChunkedCategorical`); None for ``full_logits`` or a model that does not
+        expose its decoder and output layer. On the model's output device."""
+        if self.full_logits:
+            return None
+        config = self.scoring(tensordict)
+        device = input_device(self.model)
+        split = final_hidden_states(self.model, input_ids=tensordict.get(keys.TOKENS).to(device),
+                                    attention_mask=tensordict.get(keys.ATTENTION_MASK).long().to(device),
+                                    position_ids=tensordict.get(keys.POSITION_IDS).to(device))  # fmt: skip
+        if split is None:
+            return None
+        hidden, head, softcap = split  # (N, L, H)
+        generated = tensordict.get(keys.ACTION_MASK).to(hidden.device)
+        n, width = generated.shape
+        # column j is scored from the hidden state at j - 1 (column 0 has none)
+        rows = torch.arange(n * width, device=hidden.device).reshape(n, width) - 1
+        scored = generated.clone()
+        scored[:, 0] = False
+        scorer = TokenScorer(hidden.flatten(0, 1), head, temperature=config.temperature, softcap=softcap,
+                             banned=config.banned_ids(hidden.device), chunk_size=self.chunk_size)  # fmt: skip
+        return ChunkedCategorical(scorer, torch.where(scored, rows, -1), generated)
+
     def log_prob(self, tensordict: TensorDictBase) -> torch.Tensor:
         """Log-prob (N, L) of each generated token (0 where ``keys.ACTION_MASK`` is False): the trainer's log-probs
         that :class:`~tokengym.transforms.MismatchCorrection` compares with the sampler's (call it under ``torch.no_grad()``).
         On the batch's device, from a batch on any device."""
-        logits, tokens = self._logits(tensordict), tensordict.get(keys.TOKENS)
-        lp = logits.log_softmax(-1).gather(-1, tokens.to(logits.device)[..., None]).squeeze(-1).to(tokens.device)
-        return torch.where(tensordict.get(keys.ACTION_MASK), lp, torch.zeros_like(lp))
+        tokens, generated = tensordict.get(keys.TOKENS), tensordict.get(keys.ACTION_MASK)
+        dist = self.chunked_dist(tensordict)
+        if dist is not None:
+            lp = dist.log_prob(tokens.to(dist.index.device)).to(tokens.device)
+        else:
+            logits = self._logits(tensordict)
+            lp = logits.log_softmax(-1).gather(-1, tokens.to(logits.device)[..., None]).squeeze(-1).to(tokens.device)
+        return torch.where(generated, lp, torch.zeros_like(lp))
 
     def get_dist(self, tensordict: TensorDictBase, logits_key=keys.LOGITS) -> MaskedCategorical:
+        """The distribution ``GRPOLoss`` reads: a :class:`ChunkedCategorical` (no (N, L, V) logits), or with
+        ``full_logits`` (or a model without a separate output layer) a :class:`MaskedCategorical` over ``logits_key``."""
+        check_same_device(type(self).__name__, tensordict.get(keys.TOKENS).device, input_device(self.model))
+        dist = self.chunked_dist(tensordict)
+        if dist is not None:
+            return dist
         td = self(tensordict.copy())
         return MaskedCategorical(td.get(logits_key), td.get(keys.ACTION_MASK))

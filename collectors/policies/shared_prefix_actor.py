@@ -22,10 +22,15 @@ import torch
 from tensordict import TensorDictBase
 
 from tokengym.collectors.policies.sampling import processed_logits
-from tokengym.collectors.policies.sequence_actor import MaskedCategorical, PaddedSequenceActor
+from tokengym.collectors.policies.sequence_actor import (
+    ChunkedCategorical,
+    MaskedCategorical,
+    PaddedSequenceActor,
+)
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.devices import check_same_device, input_device
 from tokengym.transforms.shared_prefix import SharedPrefixLayout, to_shared_prefix
+from tokengym.transforms.token_log_probs import TokenScorer, final_hidden_states
 
 __all__ = ["PackedCategorical", "SharedPrefixActor"]
 
@@ -54,6 +59,9 @@ class SharedPrefixActor(PaddedSequenceActor):
         use_unfiltered: score a batch sampled with top-k / top-p without the filter instead of refusing it.
         min_shared: rows sharing this many first tokens share a pack; ``None`` (default): rows sharing their prompt
             (see :func:`~tokengym.transforms.to_shared_prefix`).
+        chunk_size: generated positions whose logits ``get_dist`` and ``log_prob`` hold at once
+            (:class:`~tokengym.collectors.policies.ChunkedCategorical`); None: about 128 MiB of float32 logits.
+        full_logits: keep the packed positions' whole logits (``PackedCategorical``: the path before chunking).
 
     Example:
         >>> from torchrl.objectives.llm import GRPOLoss
@@ -71,8 +79,9 @@ class SharedPrefixActor(PaddedSequenceActor):
     """
 
     def __init__(self, model, *, temperature: float | None = None, use_unfiltered: bool = False,
-                 min_shared: int | None = None) -> None:  # fmt: skip
-        super().__init__(model, temperature=temperature, use_unfiltered=use_unfiltered)
+                 min_shared: int | None = None, chunk_size: int | None = None, full_logits: bool = False) -> None:  # fmt: skip
+        super().__init__(model, temperature=temperature, use_unfiltered=use_unfiltered, chunk_size=chunk_size,
+                         full_logits=full_logits)  # fmt: skip
         self.min_shared = min_shared
 
     def layout(self, tensordict: TensorDictBase) -> SharedPrefixLayout:
@@ -123,10 +132,33 @@ class SharedPrefixActor(PaddedSequenceActor):
         tensordict.set(keys.LOGITS, self.padded_logits(tensordict).to(home))
         return tensordict
 
+    def chunked_dist(self, tensordict: TensorDictBase) -> ChunkedCategorical | None:
+        """The distribution over the generated columns kept as the last hidden states of the shared layout's packed
+        positions, scored in chunks (:class:`~tokengym.collectors.policies.ChunkedCategorical`); None for
+        ``full_logits`` or a model that does not expose its decoder and output layer. On the model's output device."""
+        if self.full_logits:
+            return None
+        config = self.scoring(tensordict)
+        device = input_device(self.model)
+        layout = self.layout(tensordict).to(device)
+        split = final_hidden_states(self.model, input_ids=layout.tokens, position_ids=layout.position_ids,
+                                    attention_mask=layout.attention_mask(self.mask_dtype()))  # fmt: skip
+        if split is None:
+            return None
+        hidden, head, softcap = split  # (M, S, H)
+        generated = tensordict.get(keys.ACTION_MASK).to(hidden.device)
+        predictor = layout.predictor.to(hidden.device)
+        scorer = TokenScorer(hidden.flatten(0, 1), head, temperature=config.temperature, softcap=softcap,
+                             banned=config.banned_ids(hidden.device), chunk_size=self.chunk_size)  # fmt: skip
+        return ChunkedCategorical(scorer, torch.where(generated, predictor, -1), generated)
+
     def get_dist(self, tensordict: TensorDictBase, logits_key=keys.LOGITS) -> MaskedCategorical:
-        """The distribution over (N, L, V) a loss reads, a ``PackedCategorical`` (``logits_key`` is not read: nothing
-        is written)."""
+        """The distribution over (N, L, V) a loss reads: a ``ChunkedCategorical`` (no vocabulary-sized tensor beyond one
+        chunk), or with ``full_logits`` a ``PackedCategorical`` (``logits_key`` is not read: nothing is written)."""
         check_same_device(type(self).__name__, tensordict.get(keys.TOKENS).device, input_device(self.model))
+        dist = self.chunked_dist(tensordict)
+        if dist is not None:
+            return dist
         logits, layout = self.packed_logits(tensordict)
         return PackedCategorical(logits, layout.predictor, tensordict.get(keys.ACTION_MASK).to(logits.device))
 
@@ -134,9 +166,12 @@ class SharedPrefixActor(PaddedSequenceActor):
         """Log-prob (N, L) of each generated token (0 where ``keys.ACTION_MASK`` is False), as
         ``PaddedSequenceActor.log_prob`` gives it; on the batch's device, from a batch on any device. With the reference
         model: the reference log-probs on the shared layout (call it under ``torch.no_grad()``)."""
-        logits, layout = self.packed_logits(tensordict)
         tokens, generated = tensordict.get(keys.TOKENS), tensordict.get(keys.ACTION_MASK)
-        lp = PackedCategorical(logits, layout.predictor, generated).log_prob(tokens.to(logits.device)).to(tokens.device)
+        dist = self.chunked_dist(tensordict)
+        if dist is None:
+            logits, layout = self.packed_logits(tensordict)
+            dist = PackedCategorical(logits, layout.predictor, generated.to(logits.device))
+        lp = dist.log_prob(tokens.to(dist.index.device)).to(tokens.device)
         return torch.where(generated, lp, torch.zeros_like(lp))
 
 

@@ -95,6 +95,8 @@ class TransformersPolicy(TensorDictModuleBase):
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         _check_model(model)
+        if input_device(model).type == "meta":
+            raise ValueError(_META.format(what="TransformersPolicy got a model whose weights are on the meta device"))
         self.model, self.sampling = model, sampling or SamplingConfig()
         # not a submodule: state_dict(), parameters() and .to() are the model's alone
         object.__setattr__(self, "env", _base_env(env))
@@ -128,7 +130,7 @@ class TransformersPolicy(TensorDictModuleBase):
     def reset_cache(self) -> None:
         """Drop every cached slot; the next call prefills all slots from the env's token buffer."""
         if getattr(self, "cache", None) is None:
-            self.cache = SlotKVCache(self.model, self.env.batch_size[0], **self._sharing)
+            self._new_cache()
         else:
             self.cache.clear()  # no new cache: that probes the model for its layer shapes
 
@@ -159,14 +161,26 @@ class TransformersPolicy(TensorDictModuleBase):
         parents' rows up to the fork (:meth:`SlotKVCache.copy_rows`), no forward; call it before the next step."""
         self.cache.fork(parents, children, lengths, trajs)
 
+    def _new_cache(self) -> None:
+        """A KV cache for the model as it is now (its layers' shapes and dtype probed), every slot to prefill."""
+        self._dtype = _weight_dtype(self.model, self._embedding)
+        self.cache = SlotKVCache(self.model, self.env.batch_size[0], **self._sharing)
+
     def _check_placement(self) -> None:
         weight = getattr(self._embedding, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.device == self.cache.device:
-            return  # every step: one attribute read (the full lookup costs ~6 us)
+        if isinstance(weight, torch.Tensor) and weight.device == self.cache.device and weight.dtype == self._dtype:
+            return  # every step: attribute reads, no device sync (the full lookup costs ~6 us)
         device = input_device(self.model)  # an offloaded embedding (meta weights) runs on its hook's device
+        if device.type == "meta":
+            raise ValueError(_META.format(what=f"TransformersPolicy was built with its model on {self.cache.device}, "
+                                               "the model's weights are now on the meta device"))  # fmt: skip
         if device != self.cache.device:
             raise ValueError(f"TransformersPolicy was built with its model on {self.cache.device}, the model is now on "
                              f"{device}: build the policy after moving the model (model.to({str(device)!r}))")  # fmt: skip
+        if _weight_dtype(self.model, self._embedding) != self._dtype:
+            # cast after the policy was built (model.half()): the cached keys and values are of the old dtype, so a
+            # new cache of the new one; every slot is prefilled again from the env's tokens on this step
+            self._new_cache()
 
     # -- teacher-forced log-probs --
     @torch.no_grad()
@@ -175,16 +189,21 @@ class TransformersPolicy(TensorDictModuleBase):
 
         Uses the sampling temperature (not top-k / top-p), so with an unfiltered sampler it
         reproduces ``action_log_prob`` of a batch collected under the same weights. With
-        ``with_entropy`` also returns the per-step entropy (N, T). Padding steps hold 0.
+        ``with_entropy`` also returns the per-step entropy (N, T). Padding steps hold 0. Memory: the last hidden
+        states and one chunk of logits (:class:`ChunkedCategorical`), never (N, T, V).
         """
         from tokengym.collectors.policies.sequence_actor import SequenceActor
 
         actor = SequenceActor(self.model, pad_token_id=self.env.tokenizer.pad_token_id,
                               temperature=self.sampling.temperature)  # fmt: skip
+        home = batch.get(keys.ACTION).device  # what comes back is on the batch's device
+        dist = actor.chunked_dist(batch)  # the output layer per chunk of steps: no (N, T, V) logits
+        if dist is not None:
+            picked = dist.log_prob(batch.get(keys.ACTION).to(dist.index.device)).to(home)  # 0 on padding
+            return (picked, dist.entropy().to(home)) if with_entropy else picked
         logp = actor.logits(batch).log_softmax(-1)  # (N, T, V) on the model's device
         mask = batch.get(keys.MASK).to(logp.device)
         picked = logp.gather(-1, batch.get(keys.ACTION).to(logp.device)[..., None]).squeeze(-1) * mask
-        home = batch.get(keys.ACTION).device  # what comes back is on the batch's device
         if not with_entropy:
             return picked.to(home)
         entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1) * mask  # -inf logits (padding, banned): p log p = 0
@@ -394,6 +413,20 @@ class _SamplingProcessor(LogitsProcessor):
         self.raw_log_probs.append(raw)
         out = torch.full_like(scores, -float("inf"))
         return out.scatter_(-1, action[:, None], 0.0)
+
+
+_META = ("{what} (a model built without its weights: device='meta', init_empty_weights(), to('meta')): there is "
+         "nothing to run: load the weights (from_pretrained(name), or model.to_empty(device='cpu') then "
+         "model.load_state_dict(weights)) and build the policy on a model with its weights loaded")
+
+
+def _weight_dtype(model, embedding) -> torch.dtype | None:
+    """The dtype the model computes in, as cheaply as it can be read: its input embedding's weight, else its first
+    floating-point parameter's (``None`` when it has none)."""
+    weight = getattr(embedding, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _check_model(model) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 
-from tokengym.collectors.policies._dialect import EngineDialect, check_dialect
 from tokengym.collectors.policies._lora_sync import (
     AdapterSpec,
     EngineAdapters,
@@ -49,6 +48,7 @@ from tokengym.collectors.policies._vllm_requests import (
     model_dir_config,
 )
 from tokengym.collectors.policies._wave_core import WaveCore, full_items, update_tensors, weight_sync_of
+from tokengym.collectors.policies.dialects import EngineDialect, check_dialect
 from tokengym.collectors.policies.protocol import check_fits_env, probe_ids
 from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.llm_envs.waves import WaveRequest

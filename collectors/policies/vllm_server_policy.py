@@ -15,13 +15,13 @@ dialect (:class:`~._vllm_dialect.VLLMServerDialect`). Routing, failover and weig
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import tempfile
 import time
 import urllib.parse
 from pathlib import Path
 
-from tokengym.collectors.policies._dialect import ServerDialect, check_dialect
 from tokengym.collectors.policies._lora_servers import ServerAdapters
 from tokengym.collectors.policies._lora_sync import check_not_adapter, tensor_bytes
 from tokengym.collectors.policies._server_options import (
@@ -32,13 +32,16 @@ from tokengym.collectors.policies._server_options import (
 )
 from tokengym.collectors.policies._server_weights import FleetLock, WeightTransport, load_call
 from tokengym.collectors.policies._vllm_dialect import VLLMServerDialect
-from tokengym.collectors.policies._vllm_engine import checkpoint_shapes, tied_outputs
+from tokengym.collectors.policies._vllm_engine import checkpoint_shapes, read_checkpoint, tied_outputs
 from tokengym.collectors.policies._wave_core import WaveCore, full_items
+from tokengym.collectors.policies.dialects import ServerDialect, check_dialect
 from tokengym.collectors.policies.protocol import probe_ids, weights_of
 from tokengym.collectors.policies.sampling import SamplingConfig
 from tokengym.llm_envs.waves import WaveRequest
 
 __all__ = ["NoServerError", "ServerOptions", "VLLMServerPolicy"]
+
+_log = logging.getLogger(__name__)
 
 
 def _http():
@@ -68,9 +71,16 @@ class VLLMServerPolicy(WaveCore):
 
     Partial rollouts: requests are streamed, so when weights are published from another thread during a wave (the
     collector sets :attr:`interrupt`) or enough rows have ended (``WaveRequest.min_finished``, over-sampling), the
-    requests in flight are aborted and each row comes back unfinished with the tokens it received, stamped with the
-    wave's version; the next wave continues it (under the new weights). A server that fails mid-stream is not an
-    abort: its rows go on on another server from the tokens they received (budget reduced, same seed).
+    requests in flight are aborted by their ids and each stream is read to its end: each row comes back unfinished
+    with every token its server generated, stamped with the wave's version; the next wave continues it (under the new
+    weights). A server that fails mid-stream is not an abort: its rows go on on another server from the tokens they
+    received (budget reduced, same seed).
+
+    Version 0 is the servers' checkpoint. Each weight update tags the weights every server holds (vLLM's weight
+    version); a policy built on servers that another run updated (tagged weights, and no record of them in
+    ``options.weights_dir``) reloads their model directory before its first wave and logs a WARNING: to go on with
+    those weights instead, build it with that run's ``weights_dir``. With a shared ``weights_dir`` that records a
+    version, a server holding other weights is marked down and gets that version before it takes requests.
 
     Args:
         urls: base URL of each server (``"http://host:8000"``), or one URL.
@@ -145,6 +155,7 @@ class VLLMServerPolicy(WaveCore):
         self.fleet.revive = self._revive
         try:
             self._check_servers()
+            self._check_weights()
             self.adapters = None if lora is None else ServerAdapters(lora, self)
         except BaseException:
             self.close()
@@ -175,6 +186,59 @@ class VLLMServerPolicy(WaveCore):
         local = self.options.checkpoint_dir or self.answers[0]["root"]
         self.checkpoint_dir = local if local and Path(local, "config.json").is_file() else None
 
+    def weights_tag(self, version: int) -> str:
+        """The tag an update to ``version`` gives the servers' weights: the version and this fleet's weights
+        directory (``options.weights_dir``, else the policy's own temporary one), so another run's are told apart.
+
+        Example (not run here: a policy needs running servers)::
+
+            policy.weights_tag(3)   # 'tokengym v3 /shared/weights/run-17'
+        """
+        return f"tokengym v{version} {Path(self.lock_dir).resolve()}"
+
+    def _check_weights(self) -> None:
+        """Make version 0 (or the version a shared ``weights_dir`` records) what the servers hold: servers whose
+        tagged weights an earlier run loaded have their model directory reloaded (WARNING: the fix for a resumed run
+        is its ``weights_dir``); with a record, a server holding other weights is marked down (revived with them)."""
+
+        async def held():
+            return await asyncio.gather(*(self.dialect.held_weights(self.fleet, s) for s in self.fleet.servers))
+
+        with self.fleet_lock.exclusive() as (version, handle):
+            tags = self.fleet.run(held())
+            initial = self.dialect.initial_weights
+            if handle is not None:  # this fleet's weights directory records what the servers hold
+                expected = {self.weights_tag(version)} | ({initial} if version == 0 else set())  # v0: a LoRA adapter
+                for server, tag in zip(self.fleet.servers, tags, strict=True):
+                    if tag is not None and tag not in expected:
+                        self.fleet.mark_down(server, f"it holds weights tagged {tag!r}, not version {version} of "
+                                                     f"{self.lock_dir} (it reloads them before it takes requests)")  # fmt: skip
+                return
+            stale = [(s, t) for s, t in zip(self.fleet.servers, tags, strict=True) if t is not None and t != initial]
+            if not stale:
+                return
+            urls, held = ", ".join(s.url for s, _ in stale), "; ".join(sorted({repr(t) for _, t in stale}))
+            resume = ("to go on with those weights instead (a resumed run), build the policy with that run's "
+                      "ServerOptions(weights_dir=...) and load the collector's checkpoint")  # fmt: skip
+            if self.checkpoint_dir is None:
+                raise ValueError(f"{self.dialect.name} server(s) {urls} hold weights an earlier run loaded ({held}), "
+                                 "not their checkpoint, and a new VLLMServerPolicy starts at version 0 (the "
+                                 "checkpoint); restart them, pass ServerOptions(checkpoint_dir=<a local copy of the "
+                                 f"served model directory>) so that the policy reloads it into them, or {resume}")  # fmt: skip
+            _log.warning("%s server(s) %s hold weights an earlier run loaded (%s), not their checkpoint; a new "
+                         "VLLMServerPolicy starts at version 0, so it loads their checkpoint (%s) into them now; %s",
+                         self.dialect.name, urls, held, self.checkpoint_dir, resume)  # fmt: skip
+            handle = self.transport.publish(self._checkpoint_items(), 0)
+            self.fleet.run(self._reload_checkpoints([s for s, _ in stale], handle))
+
+    async def _reload_checkpoints(self, servers: list, handle: str) -> None:
+        async def reload(server) -> None:
+            start = time.monotonic()
+            await self._load_one(server, handle, self.dialect.initial_weights)
+            self.fleet.reloaded(server, 0, time.monotonic() - start)
+
+        await asyncio.gather(*(reload(server) for server in servers))
+
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.fleet.servers]
@@ -182,9 +246,10 @@ class VLLMServerPolicy(WaveCore):
     def counts(self) -> dict[str, int]:
         """The fleet's counters, which a collector adds to its metrics: ``servers_up`` (taking requests now),
         ``server_failovers`` (servers marked down, their requests sent elsewhere), ``server_revivals`` (servers
-        back), ``server_reloads`` (weights loaded into one server, updates and revivals) and ``retried_requests``
+        back), ``server_reloads`` (weights loaded into one server, updates and revivals), ``retried_requests``
         (requests sent again after their server failed or dropped the connection, each counted once however many
-        sends it took)."""
+        sends it took), ``failover_kept_tokens`` and ``server_discarded_tokens`` (tokens a server said it generated
+        that this client never received)."""
         return self.fleet.counts() if self.fleet is not None else dict(self._closed_counts)
 
     # -- generation --
@@ -221,15 +286,17 @@ class VLLMServerPolicy(WaveCore):
         self.last_update_bytes = 0 if items is None else tensor_bytes(items)
         with self.fleet_lock.exclusive() as (fleet_version, _):
             if fleet_version < version:  # else a process sharing these servers loaded this version already
-                handle = self.transport.publish(items, version) if items is not None else self._checkpoint()
+                handle = self.transport.publish(items if items is not None else self._checkpoint_items(), version)
                 self.fleet.run(self._load_all(handle, version))
                 self.fleet_lock.write(version, handle)
 
-    def _checkpoint(self) -> str:
+    def _checkpoint_items(self) -> list:
+        """The tensors of the servers' model directory, read here (a tied output layer sent as its embedding: a server
+        reloading the directory itself keeps the output layer it had)."""
         if self.checkpoint_dir is None:
             raise ValueError(f"update_weights(None) reloads the servers' model directory, but "
                              f"{self.answers[0]['root']!r} is not a directory here; pass the weights")  # fmt: skip
-        return self.checkpoint_dir
+        return self._full_items(read_checkpoint(self.checkpoint_dir))
 
     def _weight_items(self, weights) -> list:
         if self.adapters is not None:  # a LoRA policy: its adapter, or the merged weights for servers without LoRA
@@ -241,6 +308,9 @@ class VLLMServerPolicy(WaveCore):
             raise ValueError(f"the servers' model path {self.answers[0]['root']!r} is not a directory here, so "
                              "the weights' names, shapes and tied layers cannot be checked; pass "
                              "ServerOptions(checkpoint_dir=<a local copy of the served model directory>)")  # fmt: skip
+        return self._full_items(weights)
+
+    def _full_items(self, weights) -> list:
         if not hasattr(self, "_shapes"):
             from transformers import AutoConfig
 
@@ -248,16 +318,24 @@ class VLLMServerPolicy(WaveCore):
             self._tied = tied_outputs(AutoConfig.from_pretrained(self.checkpoint_dir))
         return full_items(weights, shapes=self._shapes, tied=self._tied, owner="the VLLMServerPolicy")
 
-    async def _load_one(self, server, handle: str) -> None:
+    async def _load_one(self, server, handle: str, tag: str | None) -> None:
+        """Load ``handle`` into ``server``, reset its prefix cache, tag its weights ``tag`` (``None``: an adapter,
+        the base weights unchanged)."""
         for path, body in self.transport.load_calls(handle):
             await load_call(self.fleet, server, path, body)
         await self.dialect.reset_cache(self.fleet, server)
+        if tag is not None:
+            await self.dialect.tag_weights(self.fleet, server, tag)
+
+    def _tag(self, version: int) -> str | None:
+        """The tag of ``version``'s weights; ``None`` where an update loads a LoRA adapter (the base is unchanged)."""
+        return self.weights_tag(version) if self.adapters is None or self.adapters.transport is None else None
 
     async def _load_all(self, handle: str, version: int) -> None:
         async def load(server):
             start = time.monotonic()
             try:
-                await self._load_one(server, handle)
+                await self._load_one(server, handle, self._tag(version))
             except RequestRejected as err:
                 if err.status_code == 401:  # says itself which key to pass
                     raise
@@ -282,7 +360,7 @@ class VLLMServerPolicy(WaveCore):
         version, handle = self.fleet_lock.read()
         start = time.monotonic()
         if handle is not None:
-            await self._load_one(server, handle)
+            await self._load_one(server, handle, self._tag(version))
             self.fleet.reloaded(server, version, time.monotonic() - start)
         server.version = version
 

@@ -16,8 +16,8 @@ is abandoned: every player scores 0.
 **Groups and roles.** ``games_per_group`` games are played from one game seed; their ``games_per_group * n`` player
 trajectories share a ``group_id`` (the env's ``group_size``), and player ``r`` of game ``j`` has ``sample_id = j * n +
 r``: its role is ``sample_id % n``. Advantages should compare a role with itself
-(:class:`~tokengym.transforms.RoleAdvantage`: per-role GRPO groups by ``(group_id, sample_id % n)``, or SPIRAL's
-moving-average baseline per role). TextArena's games of several players:
+(:class:`~tokengym.transforms.RoleAdvantage`: per-role GRPO groups by ``(group_id, sample_id % n)``, which needs
+``games_per_group >= 2``, or SPIRAL's moving-average baseline per role). TextArena's games of several players:
 :func:`~tokengym.llm_envs.adapters.make_textarena_self_play_env`.
 
 **Checkpoints.** A live game cannot be saved: :meth:`SelfPlayTurns.state_dict` keeps each game's seed and the calls
@@ -39,6 +39,7 @@ from typing import Protocol
 
 import torch
 
+from tokengym.llm_envs import keys
 from tokengym.llm_envs.errors import RewardFunctionError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
 from tokengym.llm_envs.token_env import TokenEnv
@@ -52,9 +53,9 @@ from tokengym.llm_envs.turns.protocol import (
     Wake,
 )
 
-__all__ = ["CountingGame", "SeatSource", "SelfPlayTurns", "TurnGame", "make_self_play_env"]
+__all__ = ["CountingGame", "SeatSource", "SelfPlayTurns", "TurnGame", "batch_players", "make_self_play_env"]
 
-GAME, ROLE, SEED = "game", "role", "seed"  # prompt-metadata fields of a seat's draw
+GAME, ROLE, SEED, PLAYERS = "game", "role", "seed", "players"  # prompt-metadata fields of a seat's draw
 GAME_OVER = "The game is over."
 SYSTEM_PROMPT = "You play a turn-based game against other players. Answer each turn with your move."
 
@@ -134,7 +135,7 @@ class SeatSource(PromptSource):
 
     Game ``g`` belongs to group ``g // games_per_group`` and is reset with that group's seed (``seed * 100_003 +
     group``); a draw has ``group_id`` = its group, ``sample_id = (g % games_per_group) * n + role`` and metadata
-    ``{"game": g, "role": r, "seed": ...}``. ``num_games=None`` runs forever; a finite run ends after whole games.
+    ``{"game": g, "role": r, "seed": ..., "players": n}`` (a batch's prompt table carries it: :func:`batch_players`). ``num_games=None`` runs forever; a finite run ends after whole games.
     """
 
     def __init__(self, tokenizer, *, num_players: int, games_per_group: int = 1, num_games: int | None = None,
@@ -168,7 +169,7 @@ class SeatSource(PromptSource):
             if group % self.num_shards == self.shard_index:
                 break
         sample = (game % self.games_per_group) * n + role
-        meta = {GAME: game, ROLE: role, SEED: self.game_seed(group)}
+        meta = {GAME: game, ROLE: role, SEED: self.game_seed(group), PLAYERS: n}
         return Prompt(torch.zeros(1, dtype=torch.int64), "", meta, game, group, sample)
 
     def state_dict(self) -> dict:
@@ -366,6 +367,33 @@ class SelfPlayTurns(TurnHandler):
             self.games[int(g)] = game
             self.seat_of.update({e: (int(g), r) for r, e in game.seats.items()})
         self.counts.update(state.get("counts", {}))
+
+
+def batch_players(batch) -> int | None:
+    """The players per game of a collected self-play batch, read from its prompt table (``keys.PROMPTS``, the seats'
+    metadata): ``n`` for a self-play batch, ``0`` for a batch a collector recorded whose prompts carry no role (not
+    self-play), ``None`` when the batch says nothing (no prompt table, or one no collector recorded: a table without
+    sampling settings, as a batch built by hand has).
+
+    Example:
+        >>> from tokengym.llm_envs import PromptTable, keys
+        >>> from tensordict import TensorDict
+        >>> table = PromptTable()
+        >>> table.add(0, torch.tensor([1]), metadata={"game": 0, "role": 0, "seed": 0, "players": 2})
+        >>> batch_players(TensorDict({}, []).set_non_tensor(keys.PROMPTS, table))
+        2
+    """
+    try:
+        table = batch.get_non_tensor(keys.PROMPTS)
+    except KeyError:
+        return None
+    if table is None or not len(table):
+        return None
+    meta = table.metadata(table.group_ids()[0])
+    if ROLE not in meta:
+        return 0 if table.sampling is not None else None
+    players = meta.get(PLAYERS)
+    return None if players is None else int(players)
 
 
 def make_self_play_env(game_factory: Callable[[], TurnGame], tokenizer, *, games_per_group: int = 1,

@@ -9,7 +9,7 @@ from tokengym.collectors import CollectorOptions, TokenCollector
 from tokengym.collectors.async_collector import AsyncCollector
 from tokengym.collectors.policies import SequenceActor
 from tokengym.collectors.sinks import extend_checked
-from tokengym.errors import PromptError
+from tokengym.errors import PromptError, TokenGymWarning
 from tokengym.llm_envs import PromptSource, TokenEnv, keys
 from tokengym.llm_envs.waves import WaveResult
 from tokengym.transforms import GroupAdvantage
@@ -97,7 +97,7 @@ def test_groups_split_without_the_option_and_batch_size_must_be_whole_groups(tok
 def test_async_collection_keeps_whole_groups(tokenizer):
     inner = make(tokenizer, source="wave")
     got = []
-    with AsyncCollector(inner, max_staleness=0) as collector:
+    with AsyncCollector(inner, max_staleness=0) as collector, pytest.warns(TokenGymWarning, match="max_staleness=0"):
         for batch, _ in zip(collector, range(10), strict=False):
             got.append(batch)
             collector.update_policy_weights_({})  # stale trajectories are dropped with their groups

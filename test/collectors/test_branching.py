@@ -287,3 +287,52 @@ def test_trees_under_async_collection_keep_every_token_under_its_version(tokeniz
             published[len(published)] = new
             collector.update_policy_weights_(new.state_dict())
     assert len(seen) > 1  # batches held tokens of several versions
+
+
+@pytest.mark.parametrize("source", ["step", "wave"])
+@pytest.mark.parametrize(
+    ("rule", "env_kwargs", "match"),
+    [(EntropyRule(chains=10), {}, r"chains=10 >= the env's group_size=4 .* use chains below 4"),
+     (EntropyRule(chains=4), {}, r"chains=4 >= the env's group_size=4"),
+     (TurnRule(2), {}, r"max_turns=1 .* build the env with max_turns >= 2"),
+     (SegmentRule(20, 2), {}, r"length=20 >= the env's max_new_tokens=12 .* use a length below 12"),
+     (SegmentRule(12, 2), {}, r"length=12 >= the env's max_new_tokens=12"),
+     (SegmentRule(8, 2), {"max_turns": 2, "max_turn_tokens": 3},
+      r"length=8 >= the env's max_turns \* max_turn_tokens \(2 \* 3\)=6"),
+     (EntropyRule(skip=11), {}, r"skip=11 leaves no fork point .* use skip <= 10")],
+    ids=["chains>G", "chains=G", "turns-single-turn", "length>budget", "length=budget", "length>turn-budget", "skip"],
+)  # fmt: skip
+def test_a_rule_that_cannot_fork_in_the_env_is_refused_when_the_collector_is_built(tokenizer, source, rule,
+                                                                                   env_kwargs, match):  # fmt: skip
+    """Each of these used to run as independent samples, silently (tree_forks_skipped 0)."""
+    model = tiny_model(tokenizer, seed=0)
+    env = TokenEnv(PROMPTS, tokenizer, length_reward, batch_size=8, group_size=4, max_new_tokens=12, max_length=64,
+                   **env_kwargs)  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=4, source=source,
+                       options=CollectorOptions(tree=rule))  # fmt: skip
+    fits = {TurnRule: lambda: TurnRule(2), SegmentRule: lambda: SegmentRule(5, 2), EntropyRule: lambda: EntropyRule(3)}
+    if type(rule) is not TurnRule:  # the same rule, in reach: built without complaint
+        TokenCollector(env, TransformersPolicy(model, env), mode="trajectories", batch_size=4, source=source,
+                       options=CollectorOptions(tree=fits[type(rule)]()))  # fmt: skip
+
+
+def test_a_normal_segment_run_counts_no_skipped_forks(tokenizer):
+    """``SegmentRule(3, 2)`` with 4 leaves of 12 tokens makes 1 + 2 forks per tree and has no leaf left after 6 tokens;
+    the branches' asks at 9 tokens (at whole trees) are not skips. They counted 4 per tree here, hundreds in long runs."""
+    collector = make_collector(tokenizer, SegmentRule(3, 2), eos=[511], max_new_tokens=12)
+    for _, batch in zip(range(3), collector, strict=False):
+        check_tree_batch(batch, 4)
+    assert collector.metrics["tree_forks"] > 0 and collector.metrics["tree_forks_skipped"] == 0
+
+
+def test_slots_a_finished_tree_left_idle_give_their_cache_columns_back(tokenizer):
+    """A vacated slot kept its columns while the next trees grew (99 -> 195 -> 291 columns in the trees benchmark,
+    1.5-2x the time per leaf after the first batch): the cache stays within one episode's width across batches."""
+    collector = make_collector(tokenizer, SegmentRule(3, 2), eos=[511], max_new_tokens=12)
+    widths = []
+    for _, batch in zip(range(6), collector, strict=False):
+        check_tree_batch(batch, 4)
+        widths.append(collector.policy.cache.columns)
+    longest_prompt = max(len(tokenizer(p)["input_ids"]) for p in PROMPTS)
+    assert max(widths) <= longest_prompt + 12 + 2, widths

@@ -26,13 +26,14 @@ def length_reward(responses, prompts, metadata):
 
 
 def wave_collector(
-    tokenizer, rule, *, model=None, eos=EOS, seed=0, max_new_tokens=12, group_size=4, batch_size=8
+    tokenizer, rule, *, model=None, eos=EOS, seed=0, max_new_tokens=12, group_size=4, batch_size=8, batch=4,
+    source="wave",
 ):
     model = model or tiny_model(tokenizer, seed=0)
     env = TokenEnv(PROMPTS, tokenizer, length_reward, batch_size=batch_size, group_size=group_size,
                    max_new_tokens=max_new_tokens, max_length=64, eos_token_ids=eos)  # fmt: skip
     policy = TransformersPolicy(model, env, seed=seed)
-    return TokenCollector(env, policy, mode="trajectories", batch_size=4, source="wave",
+    return TokenCollector(env, policy, mode="trajectories", batch_size=batch, source=source,
                           options=CollectorOptions(tree=rule))  # fmt: skip
 
 
@@ -272,3 +273,20 @@ def test_a_second_update_as_a_tree_wave_starts_keeps_every_token(tokenizer):
     assert policy.version == 2 and collector.metrics["dropped_tokens"] == 0
     check_tree_batch(batch, 4)
     assert_teacher_forced(batch, model, env)  # the published weights are the model's own
+
+
+@pytest.mark.parametrize(("group_size", "per_tree"), [(3, 1), (4, 0)])
+def test_the_step_and_wave_sources_count_the_same_skipped_forks(tokenizer, group_size, per_tree):
+    """``SegmentRule(3, 2)``, branches of 12 tokens: at 6 tokens a 3-leaf tree's 2 branches ask for 2 leaves and have
+    1 left (1 skipped); a 4-leaf tree has room for both (0). Asks at whole trees (the step source's at 9 tokens) are not
+    counted: the step source counted 4 per tree more than the wave source."""
+    counts = {}
+    for source in ("step", "wave"):
+        B = 2 * group_size  # two trees that grow side by side and end together: one batch
+        collector = wave_collector(tokenizer, SegmentRule(3, 2), group_size=group_size, batch_size=B, eos=[511],
+                                   batch=B, source=source, seed=2)  # fmt: skip
+        batch = next(iter(collector))
+        check_tree_batch(batch, group_size)
+        assert batch[keys.MASK].sum(1).tolist() == [12] * B  # no branch ended early: the same forks on both
+        counts[source] = collector.metrics["tree_forks_skipped"]
+    assert counts == {"step": 2 * per_tree, "wave": 2 * per_tree}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
-from tokengym.llm_envs import keys
+from tokengym.errors import TokenGymWarning
+from tokengym.llm_envs import PromptTable, keys
 from tokengym.testing import make_trajectory_batch, to_steps_layout
 from tokengym.transforms import GroupAdvantage, RoleAdvantage
 
@@ -77,3 +79,39 @@ def test_bad_arguments_name_the_fix():
         RoleAdvantage(2, estimator="gae")
     with pytest.raises(ValueError, match="decay must be in"):
         RoleAdvantage(2, baseline="ema", decay=1.0)
+
+
+def _with_seats(batch, players: int | None):
+    """``batch`` with a prompt table, as a collector records it (with its sampling settings), whose groups carry
+    self-play seat metadata of ``players`` (``None``: no role)."""
+    table = PromptTable(pad_token_id=0, sampling={"temperature": 1.0})
+    for g in batch[keys.GROUP_ID][:, 0].unique().tolist():
+        meta = {"answer": "3"} if players is None else {"game": g, "role": 0, "seed": g, "players": players}
+        table.add(g, torch.tensor([1, 2]), metadata=meta)
+    return batch.set_non_tensor(keys.PROMPTS, table)
+
+
+def test_one_trajectory_per_group_and_role_warns_once_naming_games_per_group():
+    # games_per_group=1: a group is one game, its two players sample_id 0 and 1, each (group, role) one trajectory
+    batch = make_trajectory_batch([2, 1, 3, 2], [1.0, -1.0, -1.0, 1.0], group_size=2)
+    t = RoleAdvantage(2)
+    with pytest.warns(TokenGymWarning, match=r"every \(group, role\) of the batch holds one trajectory \(4 of them: "
+                                             r"games_per_group=1.*games_per_group >= 2.*baseline='ema'"):  # fmt: skip
+        out = t(batch.clone())
+    assert not bool(out[keys.ADVANTAGE].any())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t(batch.clone())  # once per transform
+        RoleAdvantage(2)(_batch())  # two games per group: no warning
+        RoleAdvantage(2, baseline="ema")(batch.clone())  # the moving-average baseline has a signal: no warning
+
+
+def test_a_batch_of_other_players_or_of_no_roles_is_refused():
+    batch = make_trajectory_batch([2, 1, 3, 2, 2, 2], [1.0, -1.0, 0.0, 0.0, 1.0, -1.0], group_size=6)  # 3 games of 2
+    with pytest.raises(ValueError, match=r"RoleAdvantage\(num_players=3\) got a batch of 2-player games \(roles seen "
+                                         r"\[0, 1\], from its prompts' metadata\).*build RoleAdvantage\(num_players=2\)"):  # fmt: skip
+        RoleAdvantage(3)(_with_seats(batch.clone(), 2))
+    with pytest.raises(ValueError, match=r"RoleAdvantage\(num_players=2\) got a batch with no roles"):
+        RoleAdvantage(2)(_with_seats(batch.clone(), None))
+    RoleAdvantage(2)(_with_seats(batch.clone(), 2))  # the right number of players
+    RoleAdvantage(3)(batch.clone())  # a batch built by hand (no sampling record, no roles): nothing to check against

@@ -105,6 +105,40 @@ def test_treerl_reweighting_options(reweight, scale):
     )
 
 
+# TreeRL's released code ("treerl_code"): leaf rewards centred leave-one-out, c_i = r_i - mean of the others:
+#   group 0 (sum 2.5, N = 4): A 1 - 1.5 / 3 = 0.5, B 0 - 2.5 / 3 = -5/6, C 0.5 - 2 / 3 = -1/6, D 0.5
+#   V'(n) = mean c over L(n): root = n0 = 0, n1 = (0.5 - 1/6) / 2 = 1/6, n2 = (-5/6 + 0.5) / 2 = -1/6
+# every token of n gets V'(n) / sqrt|L(n)| - V'(parent) / sqrt|L(parent)| (the root's |L| = 4):
+#   n0: 0 / 2 - 0 / 2 = 0;  n1: (1/6) S - 0 / 2 = S / 6;  n2: -S / 6
+#   A own: 0.5 / 1 - (1/6) S;  B own: -5/6 + S / 6;  C own: -1/6 - S / 6;  D own: 0.5 + S / 6
+#   group 1 (0, 2): c = -2, +2, each its own node under the root (V' = 0): -2, +2
+TREERL_CODE = [[0, 0, S / 6, S / 6, 0.5 - S / 6, 0.5 - S / 6, 0],
+               [0, 0, -S / 6, -5 / 6 + S / 6, -5 / 6 + S / 6, 0, 0],
+               [0, 0, S / 6, S / 6, -1 / 6 - S / 6, -1 / 6 - S / 6, -1 / 6 - S / 6],
+               [0, 0, -S / 6, 0.5 + S / 6, 0.5 + S / 6, 0, 0],
+               [-2, -2, -2, 0, 0, 0, 0],
+               [2, 2, 0, 0, 0, 0, 0]]  # fmt: skip
+
+
+def test_treerl_code_equals_the_released_codes_formula_by_hand():
+    out = TreeAdvantage("treerl_code")(_tree_batch())
+    torch.testing.assert_close(_adv(out), torch.tensor(TREERL_CODE), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[keys.LOSS_WEIGHT], torch.tensor(WEIGHTS), atol=0, rtol=0)
+    assert not torch.allclose(_adv(out), torch.tensor(TREERL))  # the paper's formula gives other numbers
+    # reweight="none": V'(n) - V'(parent): n1 1/6, A own 0.5 - 1/6
+    plain = _adv(TreeAdvantage("treerl_code", reweight="none")(_tree_batch()))
+    assert plain[0, 2].item() == pytest.approx(1 / 6) and plain[0, 4].item() == pytest.approx(0.5 - 1 / 6)
+    # a tree of one leaf gets 0 (the code has no leave-one-out mean for it)
+    single = make_trajectory_batch([3], [1.0], group_size=1, steps=4)
+    assert not _adv(TreeAdvantage("treerl_code")(single)).any()
+
+
+def test_the_treerl_docstring_says_which_formula_each_estimator_is():
+    doc = TreeAdvantage.__doc__
+    assert "the formula of the TreeRL paper" in doc and "not its released code" in doc
+    assert "``\"treerl_code\"``: what the released code" in doc
+
+
 # TreePO: A_i = mean over J_i of (r_i - V(j)), J_i = the root and the nodes on leaf i's path with |L| > 1.
 #   A: root 1 - 0.625 = 0.375, n0 0.375, n1 1 - 0.75 = 0.25         -> 1.0 / 3
 #   B: root -0.625, n0 -0.625, n2 0 - 0.5 = -0.5                    -> -1.75 / 3
@@ -322,12 +356,12 @@ def test_inconsistent_trees_are_refused(batch, match):
 
 def test_bad_arguments_and_missing_keys():
     with pytest.raises(
-        ValueError, match=r"unknown tree estimator 'rloo'; use one of \['treerl', 'treepo', 'grpo'"
+        ValueError, match=r"unknown tree estimator 'rloo'; use one of \['treerl', 'treerl_code', 'treepo', 'grpo'"
     ):
         TreeAdvantage("rloo")
     with pytest.raises(
         ValueError,
-        match="reweight applies to the 'treerl' estimator only, got reweight='count' with 'treepo'",
+        match="reweight applies to the 'treerl' and 'treerl_code' estimators only, got reweight='count' with 'treepo'",
     ):
         TreeAdvantage("treepo", reweight="count")
     with pytest.raises(ValueError, match="segment_length applies to the 'treepo' estimator only"):
@@ -357,7 +391,11 @@ def test_bad_arguments_and_missing_keys():
 
 
 class _RecordingActor(SequenceActor):
-    """The real SequenceActor, keeping its last logits to read their gradient."""
+    """The real SequenceActor on its whole-logits path (``full_logits=True``), keeping its last logits to read their
+    gradient."""
+
+    def __init__(self, model):
+        super().__init__(model, full_logits=True)
 
     def logits(self, tensordict):
         out = super().logits(tensordict)

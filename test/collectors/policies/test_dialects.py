@@ -9,20 +9,19 @@ import pytest
 import torch
 
 from tokengym.collectors.policies import (
+    EngineDialect,
     LocalVLLMServer,
     SamplingConfig,
-    ServerOptions,
-    VLLMPolicy,
-    VLLMServerPolicy,
-)
-from tokengym.collectors.policies._dialect import (
-    EngineDialect,
     ServerDialect,
+    ServerOptions,
+    VLLMEngineDialect,
+    VLLMPolicy,
+    VLLMServerDialect,
+    VLLMServerPolicy,
     WaveDialect,
     check_dialect,
-    required_members,
 )
-from tokengym.collectors.policies._vllm_dialect import VLLMEngineDialect, VLLMServerDialect
+from tokengym.collectors.policies.dialects import required_members
 from tokengym.llm_envs import TokenEnv
 from tokengym.testing import tiny_tokenizer
 
@@ -38,7 +37,8 @@ def test_the_protocols_name_what_an_engine_must_provide():
                                                   "reply", "finished"}  # fmt: skip
     assert set(required_members(ServerDialect)) - set(required_members(WaveDialect)) == {
         "generate_path", "health_path", "reload_hint", "inspect", "check", "check_fleet", "transport", "reset_cache",
-        "abort", "stream", "answer", "take", "received", "resume"}  # fmt: skip
+        "abort", "stream", "answer", "take", "received", "generated", "resume", "initial_weights", "held_weights",
+        "tag_weights"}  # fmt: skip
     # an engine in this process stops between its steps (generate's should_stop): no abort from another thread
     assert set(required_members(EngineDialect)) - set(required_members(WaveDialect)) == {
         "generate", "reload", "reset_cache"}  # fmt: skip
@@ -65,9 +65,10 @@ def test_a_dialect_missing_a_member_is_refused_naming_it():
         check_dialect(_NoAbort(), ServerDialect)
     with pytest.raises(TypeError, match=r"lacks finished, reply of the WaveDialect protocol"):
         check_dialect(_NoReply(), WaveDialect)
-    with pytest.raises(TypeError, match=r"lacks abort, answer, check, check_fleet, finished, health_path, inspect, "
-                                        r"received, reload_hint, reply, reset_cache, resume, stream, take, transport of "
-                                        r"the ServerDialect"):  # fmt: skip
+    with pytest.raises(TypeError, match=r"lacks abort, answer, check, check_fleet, finished, generated, health_path, "
+                                        r"held_weights, initial_weights, inspect, received, reload_hint, reply, "
+                                        r"reset_cache, resume, stream, tag_weights, take, transport of the "
+                                        r"ServerDialect"):  # fmt: skip
         check_dialect(_NoReply(), ServerDialect)
     with pytest.raises(TypeError, match=r"lacks generate, reload of the EngineDialect"):
         check_dialect(VLLMServerDialect(), EngineDialect)  # a server's dialect is no in-process engine's

@@ -106,7 +106,8 @@ def test_log_probs_and_grpo_gradients_equal_the_padded_layout(model, multi_turn,
 def test_dist_logits_equal_wherever_a_token_precedes(model, multi_turn):
     padded = _batch("multi-turn", multi_turn)
     with torch.no_grad():
-        dist, expected = SharedPrefixActor(model).get_dist(padded), PaddedSequenceActor(model).get_dist(padded)
+        dist = SharedPrefixActor(model, full_logits=True).get_dist(padded)
+        expected = PaddedSequenceActor(model, full_logits=True).get_dist(padded)
     has = to_shared_prefix(padded).predictor >= 0
     torch.testing.assert_close(dist.logits[has], expected.logits[has], **TOL)
     assert torch.equal(dist.mask, padded[keys.ACTION_MASK]) and isinstance(dist, MaskedCategorical)

