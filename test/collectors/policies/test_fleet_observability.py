@@ -134,17 +134,21 @@ def test_a_killed_server_is_logged_counted_and_reloaded_when_it_returns(fleet, m
     finally:
         collector.shutdown()
 
-    # the returned server samples from the new weights: its log-probs are the new model's, teacher-forced
+    # the returned server held the new weights (version 2 above); a new policy (version 0) finds that an earlier run
+    # loaded them, says so and loads the checkpoint back (issue 47): its log-probs are the checkpoint's, teacher-forced
     env = fleet.env(batch_size=4)
+    caplog.clear()
     alone = fleet.policy(env, [victim.url], retry_down_after_s=1.0)
     try:
+        assert any(victim.url in m and "hold weights an earlier run loaded" in m
+                   for m in _messages(caplog, logging.WARNING, "earlier run"))  # fmt: skip
         env.reset()
         request = env.wave_request()
         result = alone.generate(request)
         for i, prompt in enumerate(request.prompts):
             n = int(result.lengths[i])
-            torch.testing.assert_close(result.log_probs[i, :n], teacher_forcing(new, prompt, result.actions[i, :n]),
-                                       atol=2e-4, rtol=0)  # fmt: skip
+            torch.testing.assert_close(result.log_probs[i, :n],
+                                       teacher_forcing(fleet.model, prompt, result.actions[i, :n]), atol=2e-4, rtol=0)  # fmt: skip
     finally:
         alone.close()
     fleet.timings.update(batch_both_up=statistics.median(both_up), batch_after_kill=failover, restart=restart,

@@ -368,7 +368,7 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_mode
     first = make(interrupt=True)
     try:
         batches = iter(first)
-        for _ in range(6):
+        for _ in range(12):
             done = next(batches)
             env, finished = first.base_env, first.source.finished_slots()
             # the rows the source holds open (not the ended ones waiting for the next batch), their tokens so far
@@ -376,7 +376,7 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_mode
             assert set(done[keys.MASK].sum(1).tolist()) <= set(budgets)  # each ended at its budget
             if open_rows:
                 break
-        assert open_rows, "no interrupted wave left a row open in 6 batches"
+        assert open_rows, "no interrupted wave left a row open in 12 batches"
         assert all(n < 200 for n in open_rows.values())
         first.policy.interrupt.is_armed = False  # no update after the checkpoint but the one queued at it
         state = first.state_dict()
