@@ -150,9 +150,9 @@ def test_the_same_weights_under_weighted_loss_train(tokenizer, trained):
 
 
 # -- row 6: a device this machine does not have, named before torch's own error --
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda")])
-def test_cuda_without_cuda_is_refused_before_the_first_batch(tokenizer, trained, device):
+def test_cuda_without_cuda_is_refused_before_the_first_batch(tokenizer, trained, device, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, on any machine
     collector = _collector(tokenizer, trained)
     with pytest.raises(ValueError, match=r"device='cuda(:0)?' but this machine has no usable CUDA device .*"
                                          r"device=None \(or 'cpu'\)"):  # fmt: skip
@@ -161,7 +161,7 @@ def test_cuda_without_cuda_is_refused_before_the_first_batch(tokenizer, trained,
     assert collector.steps_done == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a device index past the last one")
+@pytest.mark.gpu  # needs CUDA (a device index past the last one): run by benchmarks/gpu/run.sh
 def test_a_cuda_index_past_the_last_device_is_refused(tokenizer, trained):
     collector = _collector(tokenizer, trained)
     with pytest.raises(ValueError, match=r"device='cuda:99' but this machine has \d+ CUDA device"):
