@@ -15,6 +15,7 @@ import warnings
 
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tokengym.collectors import TokenCollector
 from tokengym.collectors.policies import SamplingConfig, TransformersPolicy, sample_tokens
@@ -83,8 +84,8 @@ class Job:
                         max_new_tokens=max_new_tokens or self.new_tokens, eos_token_ids=self.eos,
                         model_config=self.model.config, max_length=self.max_length)  # fmt: skip
 
-    def policy(self, env) -> TransformersPolicy:
-        return TransformersPolicy(self.model, env, sampling=SamplingConfig(), seed=0)
+    def policy(self, env, decode: str = "dynamic") -> TransformersPolicy:
+        return TransformersPolicy(self.model, env, sampling=SamplingConfig(), seed=0, decode=decode)
 
 
 def real_tokens(actions: torch.Tensor, eos: list[int]) -> int:
@@ -127,6 +128,118 @@ def hand_loop(job: Job):
     return run
 
 
+class _Columns(CacheLayerMixin):
+    """The graph loop's cache layer: keys and values (B, H, C, D) allocated once, each step's column written in
+    place at a position held on the device (transformers' own StaticLayer moved its API between 5.17 and 5.19)."""
+
+    is_compileable, is_sliding = True, False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values, self.column, self.is_initialized = keys, values, column, True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys.index_copy_(2, self.column, key_states)
+        self.values.index_copy_(2, self.column, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length, *args):
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self, *args):
+        return 0
+
+    def get_max_length(self):
+        return self.keys.shape[2]
+
+
+def graph_loop(job: Job):
+    """The GPU's own speed, the baseline the others are measured against: the prompts prefilled into static buffers
+    (prompt + new tokens columns), then per token one replay of a CUDA graph holding the model's forward over them,
+    ``sample_tokens`` (its uniforms drawn before the replay: what ``torch.rand`` draws) and the chosen token's
+    log-prob, and one device-to-host copy of the ids to test EOS on the host. Captured at the first run (the warm-up
+    round); on the CPU the same step runs uncaptured."""
+    ids, mask = job.padded()
+    model, eos, B, P = job.model, torch.tensor(job.eos), ids.shape[0], ids.shape[1]
+    C, dev, sampling = P + job.new_tokens, job.device, SamplingConfig()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    probe = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=ids[:1, :1], past_key_values=probe, logits_to_keep=1)
+    column = torch.zeros(1, dtype=torch.int64, device=dev)
+    layers = [_Columns(torch.zeros(B, k.shape[1], C, k.shape[3], dtype=k.dtype, device=dev),
+                       torch.zeros(B, v.shape[1], C, v.shape[3], dtype=v.dtype, device=dev), column)
+              for k, v in ((layer.keys, layer.values) for layer in probe.layers)]  # fmt: skip
+    cache = Cache(layers=layers)
+    allowed = torch.zeros(B, C, dtype=torch.bool, device=dev)  # the columns each row attends to
+    inputs = torch.zeros(B, 2, dtype=torch.int64, device=dev)  # token, position
+    uniforms = torch.zeros(B, 1, dtype=torch.float64, device=dev)
+    sdpa = model.config._attn_implementation == "sdpa"
+    dtype = layers[0].keys.dtype
+
+    def as_mask(a: torch.Tensor) -> torch.Tensor:  # bool for SDPA, additive for eager
+        return a if sdpa else torch.zeros(a.shape, dtype=dtype, device=dev).masked_fill_(~a, torch.finfo(dtype).min)
+
+    def step():
+        allowed.index_fill_(1, column, True)
+        logits = model(input_ids=inputs[:, :1], attention_mask=as_mask(allowed[:, None, None, :]),
+                       position_ids=inputs[:, 1:], past_key_values=cache).logits[:, -1]  # fmt: skip
+        return sample_tokens(logits, sampling, gen, with_raw_log_prob=False, uniforms=uniforms)[:2]
+
+    graph: list = []  # [(graph, outputs)] once captured
+
+    def replay():
+        if dev.type != "cuda":
+            return step()
+        if not graph:
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                graph.append((g, step()))
+        graph[0][0].replay()
+        return graph[0][1]
+
+    @torch.inference_mode()
+    def run() -> int:
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cols = torch.arange(P, device=dev)
+        causal = (cols[None, :] <= cols[:, None]) & mask.bool()[:, None, :]  # (B, P, P), pads attend to themselves
+        causal |= torch.eye(P, dtype=torch.bool, device=dev)
+        sub = DynamicCache(config=model.config)
+        logits = model(input_ids=ids, attention_mask=as_mask(causal[:, None]), position_ids=pos, past_key_values=sub,
+                       logits_to_keep=1).logits[:, -1]  # fmt: skip
+        for layer, new in zip(layers, sub.layers, strict=True):
+            layer.keys[:, :, :P], layer.values[:, :, :P] = new.keys, new.values
+        allowed.zero_()
+        allowed[:, :P] = mask.bool()
+        column.fill_(P)
+        inputs[:, 1:] = pos[:, -1:]
+        tokens, logp = sample_tokens(logits, sampling, gen, with_raw_log_prob=False)[:2]
+        running, real, log_probs = torch.ones(B, dtype=torch.bool), 0, [logp]
+        for t in range(job.new_tokens):
+            real += int(running.sum())
+            running &= ~torch.isin(tokens.cpu(), eos)  # the one host copy per step; ended rows are masked
+            if not bool(running.any()) or t == job.new_tokens - 1:
+                break
+            inputs[:, 0] = tokens
+            inputs[:, 1] += 1
+            uniforms.uniform_(0, 1, generator=gen)
+            tokens, logp = replay()
+            log_probs.append(logp.clone())
+            column.add_(1)
+        return real
+
+    return run
+
+
 class SampleWithTokengym(LogitsProcessor):
     """Draws inside ``generate`` with ``sample_tokens`` and records the log-prob; one-hot scores for greedy."""
 
@@ -160,6 +273,24 @@ def stepwise(job: Job):
     return lambda: int(next(batches).get(keys.MASK).sum())
 
 
+def stepwise_graph(job: Job):
+    """``stepwise`` with the policy's decode step captured in a CUDA graph (``decode="graph"``; ``"static"``, the
+    same step uncaptured, on the CPU)."""
+    env = job.env()
+    decode = "graph" if job.device.type == "cuda" else "static"
+    policy = job.policy(env, decode)
+    batches = iter(TokenCollector(env, policy, mode="steps", batch_size=job.new_tokens))
+
+    def run() -> int:
+        tokens = int(next(batches).get(keys.MASK).sum())
+        if policy.graph is not None:
+            run.capture_seconds = policy.graph.capture_seconds
+        return tokens
+
+    run.capture_seconds = None
+    return run
+
+
 def waves(job: Job):
     """One TRAJECTORIES batch of B trajectories, each generated in one ``model.generate`` wave and unrolled."""
     env = job.env()
@@ -167,7 +298,8 @@ def waves(job: Job):
     return lambda: int(next(batches).get(keys.MASK).sum())
 
 
-CONTESTANTS = {"hand loop": hand_loop, "stepwise": stepwise, "generate": generate, "waves": waves}
+CONTESTANTS = {"graph loop": graph_loop, "hand loop": hand_loop, "stepwise": stepwise,
+               "stepwise graph": stepwise_graph, "generate": generate, "waves": waves}  # fmt: skip
 
 
 # -- measurements --

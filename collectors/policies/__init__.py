@@ -15,7 +15,8 @@ from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies._vllm_dialect import VLLMEngineDialect, VLLMServerDialect
 from tokengym.collectors.policies._wave_core import WaveCore
 from tokengym.collectors.policies.dialects import EngineDialect, ServerDialect, WaveDialect, check_dialect
-from tokengym.collectors.policies.kv_cache import SlotKVCache
+from tokengym.collectors.policies.graph_decode import GraphDecode
+from tokengym.collectors.policies.kv_cache import SlotKVCache, StaticSlotKVCache
 from tokengym.collectors.policies.lora import AdaptersDisabled, adapter_weights, merged_weights
 from tokengym.collectors.policies.prefix_store import PrefixStore
 from tokengym.collectors.policies.protocol import (
@@ -46,6 +47,7 @@ from tokengym.collectors.policies.vllm_server_policy import ServerOptions, VLLMS
 __all__ = [
     "AdaptersDisabled",
     "EngineDialect",
+    "GraphDecode",
     "ChunkedCategorical",
     "MaskedCategorical",
     "PaddedSequenceActor",
@@ -56,6 +58,7 @@ __all__ = [
     "SequenceActor",
     "SharedPrefixActor",
     "SlotKVCache",
+    "StaticSlotKVCache",
     "PrefixStore",
     "StepPolicy",
     "StepwiseReference",

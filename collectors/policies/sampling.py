@@ -146,7 +146,17 @@ def _filter(x: torch.Tensor, config: SamplingConfig, banned: torch.Tensor | None
     return x
 
 
-def _draw_small(x: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _uniforms(x: torch.Tensor, generator: torch.Generator | None, drawn: torch.Tensor | None) -> torch.Tensor:
+    """One float64 uniform (B, 1) per row: ``drawn`` when given (a copy: the draw scales it in place), else from
+    ``generator``."""
+    if drawn is not None:
+        return drawn.clone()
+    return torch.rand(x.shape[0], 1, dtype=torch.float64, generator=generator, device=x.device)
+
+
+def _draw_small(
+    x: torch.Tensor, generator: torch.Generator | None, drawn: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact inverse-CDF draw (B, 1) from logits (B, V) of a small vocabulary, and the log-probs (B, V).
 
     Few, fused ops: the per-op overhead, not the arithmetic, is the cost at this size. One float64
@@ -155,7 +165,7 @@ def _draw_small(x: torch.Tensor, generator: torch.Generator | None) -> tuple[tor
     """
     logp = x.log_softmax(-1)  # (B, V)
     cdf = logp.exp().double().cumsum(-1)
-    u = torch.rand(x.shape[0], 1, dtype=torch.float64, generator=generator, device=x.device)
+    u = _uniforms(x, generator, drawn)
     return torch.searchsorted(cdf, u.mul_(cdf[:, -1:]), right=True).clamp_(max=x.shape[-1] - 1), logp
 
 
@@ -165,6 +175,10 @@ _SCRATCH = threading.local()
 def _scratch(like: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """A (B, V') float buffer reused across calls of this thread: a fresh one per step is a large
     allocation, which glibc maps and page-faults anew each time (10-20% of a step at a 151k vocabulary)."""
+    if like.is_cuda and torch.cuda.is_current_stream_capturing():
+        # a CUDA graph being captured: a buffer of the graph's own pool (a shared one could be replaced and freed
+        # while the graph still writes it)
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
     buf = getattr(_SCRATCH, "weights", None)
     if buf is None or buf.shape != shape or buf.dtype != like.dtype or buf.device != like.device:
         # an ordinary tensor even when first drawn under torch.inference_mode(): an inference tensor would refuse
@@ -175,7 +189,8 @@ def _scratch(like: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 
 
 def _draw_large(
-    x: torch.Tensor, m: torch.Tensor, banned: torch.Tensor | None, generator: torch.Generator | None
+    x: torch.Tensor, m: torch.Tensor, banned: torch.Tensor | None, generator: torch.Generator | None,
+    drawn: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact two-level inverse-CDF draw (B, 1) from logits (B, V) with row max ``m`` (B, 1); returns it and
     ``log(sum(exp(x - m)))`` (B, 1) over the allowed tokens.
@@ -194,7 +209,7 @@ def _draw_large(
     sums = blocks.sum(-1).double()  # (B, V' / block)
     cdf = torch.cat([sums.new_zeros(B, 1), sums.cumsum_(-1)], 1)  # leading 0: cdf[b] is the mass before b
     total = cdf[:, -1:]
-    target = torch.rand(B, 1, dtype=torch.float64, generator=generator, device=x.device).mul_(total)
+    target = _uniforms(x, generator, drawn).mul_(total)
     b = torch.searchsorted(cdf, target, right=True).sub_(1).clamp_(max=cdf.shape[1] - 2)  # (B, 1)
     lo, hi = cdf.gather(1, b), cdf.gather(1, b + 1)
     inner = blocks.gather(1, b[:, :, None].expand(-1, 1, _BLOCK)).squeeze(1).double().cumsum_(-1)  # (B, block)
@@ -211,6 +226,7 @@ def sample_tokens(
     generator: torch.Generator | None,
     *,
     with_raw_log_prob: bool = True,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Choose one token per row of ``logits`` (B, V).
 
@@ -221,6 +237,9 @@ def sample_tokens(
             device (:func:`~tokengym.llm_envs.devices.seeded_generator`).
         with_raw_log_prob: also compute the log-prob under the unmodified model; ``False`` returns
             ``None`` in its place and saves a pass over the vocabulary when a filter or a temperature is set.
+        uniforms: the float64 uniforms (B, 1) of this draw, drawn beforehand (``uniforms.uniform_(generator=...)``
+            draws what ``torch.rand`` would: a captured decode step draws them outside its graph); default: drawn
+            here from ``generator``.
 
     Returns:
         ``(action, action_log_prob, raw_log_prob)``, each of shape (B,) (``raw_log_prob`` may be ``None``).
@@ -252,11 +271,11 @@ def sample_tokens(
         logp = x.gather(-1, action) - x.logsumexp(-1, keepdim=True)
     elif is_large:
         m = _max_allowed(x, banned, banned_x)  # (B, 1)
-        action, log_total = _draw_large(x, m, None if banned_x is None else banned, generator)
+        action, log_total = _draw_large(x, m, None if banned_x is None else banned, generator, uniforms)
         lse = m + log_total.float()
         logp = x.gather(-1, action) - lse
     else:
-        action, logp_all = _draw_small(x, generator)
+        action, logp_all = _draw_small(x, generator, uniforms)
         logp = logp_all.gather(-1, action)
     action, logp = action.squeeze(-1), logp.squeeze(-1)
     if not with_raw_log_prob:

@@ -16,7 +16,8 @@ from transformers import (
 )
 
 from tokengym.collectors.policies._lora_sync import AdapterSpec, check_not_adapter, tensor_bytes
-from tokengym.collectors.policies.kv_cache import SlotKVCache
+from tokengym.collectors.policies.graph_decode import GraphDecode
+from tokengym.collectors.policies.kv_cache import SlotKVCache, StaticSlotKVCache, static_capacity
 from tokengym.collectors.policies.lora import is_lora_model, merged_weights
 from tokengym.collectors.policies.prefix_store import DEFAULT_PREFIX_CACHE_BYTES, group_by_prompt
 from tokengym.collectors.policies.protocol import Weights, check_fits_env, weights_of
@@ -64,6 +65,11 @@ class TransformersPolicy(TensorDictModuleBase):
             prefills every row.
         prefix_cache_bytes: bytes of recent prompts' keys and values kept for the later samples of their groups
             (slots refilled at different times); 0 keeps none.
+        decode: how a step decodes: ``"dynamic"`` (the default: a cache as wide as the longest live slot, grown by a
+            column per step), ``"static"`` (buffers allocated once for the env's ``max_length`` and a quarter more,
+            every step the same shapes: :class:`StaticSlotKVCache`; the same tokens and log-probs) or ``"graph"``
+            (the static step and its sampling captured in one CUDA graph and replayed: :class:`GraphDecode`; CUDA
+            only, not with a LoRA model).
 
     Example:
         >>> from tokengym.llm_envs import TokenEnv
@@ -90,6 +96,7 @@ class TransformersPolicy(TensorDictModuleBase):
         return_raw_log_prob: bool = False,
         share_prefixes: bool = True,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        decode: str = "dynamic",
     ) -> None:
         super().__init__()
         if sampling is not None and not isinstance(sampling, SamplingConfig):
@@ -110,6 +117,9 @@ class TransformersPolicy(TensorDictModuleBase):
         if return_raw_log_prob:
             self.out_keys = [*self.out_keys, keys.RAW_LOG_PROB]
         self.adapter = AdapterSpec.of(model) if is_lora_model(model) else None
+        self.decode = _check_decode(decode, model, self.adapter)
+        self.graph = None
+        """The :class:`GraphDecode` of ``decode="graph"`` (its ``captures`` and ``capture_seconds``), else ``None``."""
         self.weight_sync = "full" if self.adapter is None else "adapter"
         """What an update sends: ``"adapter"`` (a LoRA model: the adapter's tensors) or ``"full"`` (every weight)."""
         self.last_update_bytes = 0
@@ -141,9 +151,12 @@ class TransformersPolicy(TensorDictModuleBase):
         traj, active = tensordict.get(keys.TRAJ_ID), tensordict.get(keys.ACTIVE)
         self._check_placement()
         self.cache.sync(self.env.tokens, seq_len, traj, active)  # the env's read-only buffer: new prefixes only
-        logits = self.cache.decode(token, active)  # idle rows attend to their own token: finite, and ignored
-        action, logp, raw = sample_tokens(logits, self.sampling, self.generator,
-                                          with_raw_log_prob=self.return_raw_log_prob)  # fmt: skip
+        if self.graph is not None:  # the decode step and its sampling in one replayed graph
+            action, logp, raw = self.graph.step(token, active)
+        else:
+            logits = self.cache.decode(token, active)  # idle rows attend to their own token: finite, and ignored
+            action, logp, raw = sample_tokens(logits, self.sampling, self.generator,
+                                              with_raw_log_prob=self.return_raw_log_prob)  # fmt: skip
         if action.device.type != "cpu":  # the env's state is on the host: one device-to-host copy per step
             action, logp, raw = _to_host(action, logp, raw)
         tensordict.set(keys.ACTION, action)
@@ -164,7 +177,14 @@ class TransformersPolicy(TensorDictModuleBase):
     def _new_cache(self) -> None:
         """A KV cache for the model as it is now (its layers' shapes and dtype probed), every slot to prefill."""
         self._dtype = _weight_dtype(self.model, self._embedding)
-        self.cache = SlotKVCache(self.model, self.env.batch_size[0], **self._sharing)
+        B = self.env.batch_size[0]
+        if self.decode == "dynamic":
+            self.cache = SlotKVCache(self.model, B, **self._sharing)
+            return
+        capacity = static_capacity(self.env.tokens.shape[-1])
+        self.cache = StaticSlotKVCache(self.model, B, capacity=capacity, **self._sharing)
+        if self.decode == "graph":
+            self.graph = GraphDecode(self.cache, self.sampling, self.generator, with_raw=self.return_raw_log_prob)
 
     def _check_placement(self) -> None:
         weight = getattr(self._embedding, "weight", None)
@@ -427,6 +447,25 @@ def _weight_dtype(model, embedding) -> torch.dtype | None:
     if isinstance(weight, torch.Tensor):
         return weight.dtype
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+_DECODES = ("dynamic", "static", "graph")
+
+
+def _check_decode(decode, model, adapter) -> str:
+    if decode not in _DECODES:
+        raise ValueError(f"decode must be one of {_DECODES}, got {decode!r}")
+    if decode == "graph":
+        device = input_device(model)
+        if device.type != "cuda":
+            raise ValueError(f"decode='graph' captures the decode step in a CUDA graph; the model is on {device}: "
+                             "use decode='static' (the same fixed-shape step, uncaptured) or move the model to CUDA "
+                             "before building the policy")  # fmt: skip
+        if adapter is not None:
+            raise ValueError("decode='graph' does not take a LoRA model (an adapter swap would leave the graph on "
+                             "the old adapter's tensors): use decode='static', or merge the adapter "
+                             "(model.merge_and_unload()) for generation")  # fmt: skip
+    return decode
 
 
 def _check_model(model) -> None:

@@ -40,3 +40,19 @@ class PublishTwice(PublishAfter):
             self.k, self.again = self.k + 1, True
         return super().is_set()
 
+
+
+def tree_leaves(batch, group_size: int):
+    """The checks every tree batch passes (each group one whole tree: ``group_size`` leaves, sample ids 0..n-1, one
+    root, each leaf's steps from its fork on its own), then ``(rows, i, fork, parent, n)`` for each leaf ``i`` of
+    each group's ``rows``: its fork index, parent trajectory (-1 at the root) and step count."""
+    mask, groups, traj, branch = batch[keys.MASK], batch[keys.GROUP_ID][:, 0], batch[keys.TRAJ_ID][:, 0], batch[keys.BRANCH_ID]
+    for g in groups.unique().tolist():
+        rows = (groups == g).nonzero().squeeze(-1).tolist()
+        assert len(rows) == group_size
+        assert sorted(batch[keys.SAMPLE_ID][rows, 0].tolist()) == list(range(group_size))
+        assert (batch[keys.PARENT_ID][rows, 0] == -1).sum() == 1  # one root
+        for i in rows:
+            fork, parent, n = int(batch[keys.FORK_INDEX][i, 0]), int(batch[keys.PARENT_ID][i, 0]), int(mask[i].sum())
+            assert (branch[i, fork:n] == traj[i]).all()  # its own steps after the fork
+            yield rows, i, fork, parent, n

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from collector_helpers import tree_leaves
 
 from tokengym.collectors import CollectorOptions, TokenCollector
 from tokengym.collectors.branching import EntropyRule, Fork, SegmentRule, TurnRule
@@ -29,23 +30,15 @@ def make_collector(tokenizer, rule, *, group_size=4, batch_size=8, max_new_token
 
 def check_tree_batch(batch, group_size):
     """Whole trees; each leaf's shared steps equal its ancestors' steps (same tokens, log-probs, versions)."""
-    mask, groups = batch[keys.MASK], batch[keys.GROUP_ID][:, 0]
+    mask, traj = batch[keys.MASK], batch[keys.TRAJ_ID][:, 0]
     branch, action, logp = batch[keys.BRANCH_ID], batch[keys.ACTION], batch[keys.ACTION_LOG_PROB]
-    for g in groups.unique().tolist():
-        rows = (groups == g).nonzero().squeeze(-1).tolist()
-        assert len(rows) == group_size
-        assert sorted(batch[keys.SAMPLE_ID][rows, 0].tolist()) == list(range(group_size))
-        assert (batch[keys.PARENT_ID][rows, 0] == -1).sum() == 1  # one root
-        for i in rows:
-            fork, parent = int(batch[keys.FORK_INDEX][i, 0]), int(batch[keys.PARENT_ID][i, 0])
-            n = int(mask[i].sum())
-            assert (branch[i, fork:n] == batch[keys.TRAJ_ID][i, 0]).all()  # its own steps after the fork
-            if parent >= 0:
-                assert fork == 0 or branch[i, fork - 1] != batch[keys.TRAJ_ID][i, 0]
-            for j in rows:  # wherever two leaves name the same branch at a step, they hold the same token
-                same = (branch[i] == branch[j]) & mask[i] & mask[j]
-                assert torch.equal(action[i][same], action[j][same])
-                assert torch.equal(logp[i][same], logp[j][same])
+    for rows, i, fork, parent, _ in tree_leaves(batch, group_size):
+        if parent >= 0:
+            assert fork == 0 or branch[i, fork - 1] != traj[i]
+        for j in rows:  # wherever two leaves name the same branch at a step, they hold the same token
+            same = (branch[i] == branch[j]) & mask[i] & mask[j]
+            assert torch.equal(action[i][same], action[j][same])
+            assert torch.equal(logp[i][same], logp[j][same])
 
 
 @pytest.mark.parametrize("rule", [SegmentRule(3, 2), EntropyRule()], ids=["segment", "entropy"])

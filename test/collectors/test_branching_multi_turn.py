@@ -4,6 +4,7 @@ fresh episodes of its prompt; entropy forks lie in the chain's last turn (the en
 
 import pytest
 import torch
+from collector_helpers import tree_leaves
 
 from tokengym.collectors import CollectorOptions, TokenCollector
 from tokengym.collectors.branching import EntropyRule, SegmentRule, TurnRule
@@ -43,19 +44,11 @@ def multi_turn_env(tokenizer, max_turns, *, batch_size=8, handler=None):
 
 def check_tree_batch(batch, group_size):
     """Whole trees; each leaf's steps up to its fork are its parent's (same tokens and log-probs), its own after."""
-    mask, groups, traj = batch[keys.MASK], batch[keys.GROUP_ID][:, 0], batch[keys.TRAJ_ID][:, 0]
-    branch, action, logp = batch[keys.BRANCH_ID], batch[keys.ACTION], batch[keys.ACTION_LOG_PROB]
-    for g in groups.unique().tolist():
-        rows = (groups == g).nonzero().squeeze(-1).tolist()
-        assert len(rows) == group_size
-        assert sorted(batch[keys.SAMPLE_ID][rows, 0].tolist()) == list(range(group_size))
-        assert (batch[keys.PARENT_ID][rows, 0] == -1).sum() == 1  # one root
-        for i in rows:
-            fork, parent, n = int(batch[keys.FORK_INDEX][i, 0]), int(batch[keys.PARENT_ID][i, 0]), int(mask[i].sum())
-            assert (branch[i, fork:n] == traj[i]).all()  # its own steps after the fork
-            if parent >= 0:
-                p = traj.tolist().index(parent)
-                assert torch.equal(action[i, :fork], action[p, :fork]) and torch.equal(logp[i, :fork], logp[p, :fork])
+    traj, action, logp = batch[keys.TRAJ_ID][:, 0], batch[keys.ACTION], batch[keys.ACTION_LOG_PROB]
+    for _, i, fork, parent, _ in tree_leaves(batch, group_size):
+        if parent >= 0:
+            p = traj.tolist().index(parent)
+            assert torch.equal(action[i, :fork], action[p, :fork]) and torch.equal(logp[i, :fork], logp[p, :fork])
 
 
 CASES = {

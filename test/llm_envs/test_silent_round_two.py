@@ -106,21 +106,6 @@ def test_an_episode_error_raised_in_serve_is_an_episode_error_at_the_refill(toke
     assert caught.value.slots == [1]
 
 
-@pytest.mark.parametrize("source", ["step", "wave"])
-def test_except_episode_error_written_from_the_docs_catches_it_in_a_collector_loop(tokenizer, model, source):
-    env = TokenEnv([f"{i}" for i in range(8)], tokenizer, turns=LosesSlotOne(), max_turns=2, batch_size=3,
-                   max_new_tokens=16, max_turn_tokens=3, max_length=64, model_config=model.config)  # fmt: skip
-    collector = TokenCollector(env, TransformersPolicy(model, env, seed=0), mode="trajectories", batch_size=3,
-                               source=source)  # fmt: skip
-    it, batches, failed = iter(collector), [], []
-    while len(batches) < 2:
-        try:
-            batches.append(next(it))
-        except EpisodeError as err:
-            failed.append(err)
-    assert len(failed) == 1 and collector.metrics["failed_episodes"] == 1
-
-
 def test_a_prompt_that_cannot_load_stays_a_prompt_error_and_an_agent_failure_an_agent_error():
     prompt = refill_error([(0, PromptError("prompt 7 has 900 tokens"))], slots=[0], observation=None)
     assert type(prompt) is PromptError and prompt.slots == [0]

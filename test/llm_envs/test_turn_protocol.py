@@ -192,9 +192,9 @@ def test_a_collector_goes_on_past_failed_episodes_and_counts_them(tok, source):
     while len(batches) < 2:
         try:
             batches.append(next(it))
-        except PromptError as err:
+        except EpisodeError as err:  # as the docs write it: a failed episode's own kind, and still a PromptError
             errors.append(err)
-    assert len(errors) == 1 and isinstance(errors[0].__cause__, EpisodeError)
+    assert len(errors) == 1 and isinstance(errors[0], PromptError) and isinstance(errors[0].__cause__, EpisodeError)
     assert collector.metrics["failed_episodes"] == 1 and collector.metrics["failed_prompts"] == 0  # nothing skipped
     rewards = torch.cat([b[keys.REWARD].squeeze(-1).sum(-1) for b in batches])
     assert sorted(rewards.tolist()) == [0.0] + [1.0] * 5  # the failed one scored 0, nothing else lost

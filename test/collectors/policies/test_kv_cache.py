@@ -1,10 +1,20 @@
-"""SlotKVCache: per-slot refills, extensions, retries and trims give the logits of a plain forward."""
+"""SlotKVCache and StaticSlotKVCache: per-slot refills, extensions, retries and trims give the logits of a plain
+forward. The static cache runs every test in buffers of 10 columns, so its window is copied back to the front and its
+buffers grow along the way."""
 
+import pytest
 import torch
 
-from tokengym.collectors.policies import SlotKVCache
+from tokengym.collectors.policies import SlotKVCache, StaticSlotKVCache
 
 L = 48  # the env's buffer length in these tests
+
+
+@pytest.fixture(params=["dynamic", "static"])
+def new_cache(request, model):
+    if request.param == "dynamic":
+        return lambda rows: SlotKVCache(model, rows)
+    return lambda rows: StaticSlotKVCache(model, rows, capacity=10)
 
 
 def _full_logits(model, ids: list[int]) -> torch.Tensor:
@@ -55,9 +65,9 @@ def _check(model, cache, slots: _Slots, logits: torch.Tensor) -> None:
             assert torch.allclose(logits[b], _full_logits(model, seq), atol=1e-4), b
 
 
-def test_decoding_with_refills_matches_full_forwards_and_stays_narrow(model):
+def test_decoding_with_refills_matches_full_forwards_and_stays_narrow(model, new_cache):
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12], [13, 14, 15, 16, 17, 18, 19, 20]]  # one-token prompts included
-    slots, cache = _Slots(prompts), SlotKVCache(model, 4)
+    slots, cache = _Slots(prompts), new_cache(4)
     widest = 0
     for t in range(14):
         logits = _step(cache, slots)
@@ -71,10 +81,12 @@ def test_decoding_with_refills_matches_full_forwards_and_stays_narrow(model):
         longest = max(len(s) for s in slots.seq)
         assert cache.columns <= longest  # trimmed at every refill: never wider than the longest slot
     assert widest > 0
+    if isinstance(cache, StaticSlotKVCache):  # a slot of 22 tokens outgrew the 10 columns: the buffers grew
+        assert cache.capacity > 10 and cache.layout > 1
 
 
-def test_env_inserted_tokens_and_idle_slots(model):
-    slots, cache = _Slots([[5, 6, 7], [8, 9, 10, 11]]), SlotKVCache(model, 2)
+def test_env_inserted_tokens_and_idle_slots(model, new_cache):
+    slots, cache = _Slots([[5, 6, 7], [8, 9, 10, 11]]), new_cache(2)
     _step(cache, slots)
     slots.append(0, [40])
     slots.append(1, [41])
@@ -90,35 +102,37 @@ def test_env_inserted_tokens_and_idle_slots(model):
     assert all(bool(torch.isfinite(k).all() and torch.isfinite(v).all()) for k, v in cache.kv)
 
 
-def test_a_retried_step_is_re_prefilled(model):
+def test_a_retried_step_is_re_prefilled(model, new_cache):
     """A step the env rolled back (a reward error) and that is retried: the cache was one token ahead."""
-    slots, cache = _Slots([[5, 6, 7], [8, 9]]), SlotKVCache(model, 2)
+    slots, cache = _Slots([[5, 6, 7], [8, 9]]), new_cache(2)
     first = _step(cache, slots)
     again = _step(cache, slots)  # the same observation again
     assert torch.allclose(first, again, atol=1e-5)
     assert cache.length.tolist() == [3, 2]
 
 
-def test_clear_and_checkpoint_round_trip(model):
-    slots, cache = _Slots([[5, 6, 7], [8, 9, 10]]), SlotKVCache(model, 2)
+def test_clear_and_checkpoint_round_trip(model, new_cache):
+    slots, cache = _Slots([[5, 6, 7], [8, 9, 10]]), new_cache(2)
     _step(cache, slots)
     slots.append(0, [20])
     slots.append(1, [21])
     state = cache.state_dict()
-    restored = SlotKVCache(model, 2)
+    restored = new_cache(2)
     restored.load_state_dict(state)
     assert torch.equal(_step(cache, slots), _step(restored, slots))  # exact, not re-prefilled
+    held = cache.nbytes()
     cache.clear()
-    assert cache.columns == 0 and cache.nbytes() == 0
+    static = isinstance(cache, StaticSlotKVCache)  # keeps its buffers (and a graph of them) through a clear
+    assert cache.columns == 0 and cache.nbytes() == (held if static else 0)
     slots.append(0, [22])
     slots.append(1, [23])
     _check(model, cache, slots, _step(cache, slots))  # everything prefilled again
 
 
-def test_a_waiting_slot_keeps_its_tokens_through_refills_and_wakes_exactly(model):
+def test_a_waiting_slot_keeps_its_tokens_through_refills_and_wakes_exactly(model, new_cache):
     """Self-play: a slot waits (inactive, same trajectory) while others decode and are refilled, then wakes with the
     other player's move appended; an idle slot that moved on to a new trajectory forgets its tokens."""
-    slots, cache = _Slots([[5, 6, 7], [8, 9, 10, 11], [12, 13]]), SlotKVCache(model, 3)
+    slots, cache = _Slots([[5, 6, 7], [8, 9, 10, 11], [12, 13]]), new_cache(3)
     slots.active = torch.tensor([True, False, True])  # slot 1 waits from the start: never prefilled yet
     for t in range(6):
         logits = _step(cache, slots)
@@ -135,7 +149,7 @@ def test_a_waiting_slot_keeps_its_tokens_through_refills_and_wakes_exactly(model
     state = cache.state_dict()  # a checkpoint while slot 0 waits
     slots.append(0, [50, 51, 52, 53])  # slot 0 wakes with the other player's move (several tokens)
     slots.active = torch.tensor([True, True, True])
-    restored = SlotKVCache(model, 3)
+    restored = new_cache(3)
     restored.load_state_dict(state)
     logits = _step(cache, slots)
     _check(model, cache, slots, logits)

@@ -1,0 +1,133 @@
+"""TransformersPolicy(decode="static"): the fixed-shape decode step (StaticSlotKVCache, what decode="graph" captures
+on CUDA) gives the tokens and log-probs of the dynamic cache for the same generator state, on every kind of episode:
+groups sharing a prompt, refills, multi-turn feedback, trees forked mid-sequence, self-play's waiting seats, a resume
+from a checkpoint and a weight update. Small env buffers make the static window slide back to the front often."""
+
+import copy
+
+import pytest
+import torch
+
+from tokengym.collectors import CollectorOptions, TokenCollector
+from tokengym.collectors.branching import SegmentRule
+from tokengym.collectors.policies import SamplingConfig, StaticSlotKVCache, TransformersPolicy
+from tokengym.llm_envs import TokenEnv, keys
+from tokengym.llm_envs.turns import Turn, TurnHandler
+from tokengym.llm_envs.turns.self_play import CountingGame, make_self_play_env
+
+PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]
+
+
+def _reward(responses, prompts, metadata):
+    return [float(len(r) % 3) for r in responses]
+
+
+class _Feedback(TurnHandler):
+    def end_turns(self, turns):
+        return [Turn(1.0, feedback=None if t >= 2 else "go on, go on") for t in turns.turns]
+
+
+ENVS = {
+    "groups": lambda tok, cfg: TokenEnv(PROMPTS, tok, _reward, batch_size=4, group_size=2, max_new_tokens=20,
+                                        max_length=40, model_config=cfg),  # fmt: skip
+    "multi_turn": lambda tok, cfg: TokenEnv(PROMPTS, tok, turns=_Feedback(), max_turns=3, batch_size=3,
+                                            max_new_tokens=18, max_turn_tokens=5, max_length=96, model_config=cfg),  # fmt: skip
+    "self_play": lambda tok, cfg: make_self_play_env(lambda: CountingGame(rounds=1), tok, batch_size=4,
+                                                     games_per_group=2, max_new_tokens=12, max_turn_tokens=4,
+                                                     max_length=128, model_config=cfg),  # fmt: skip
+}
+
+
+def _collect(tok, model, env_kind, decode, *, batches=2, tree=None, sampling=None, seed=0):
+    env = ENVS[env_kind](tok, model.config)
+    policy = TransformersPolicy(model, env, seed=seed, decode=decode, sampling=sampling, return_raw_log_prob=True)
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=4,
+                               options=CollectorOptions(tree=tree) if tree else None)  # fmt: skip
+    it = iter(collector)
+    return [next(it) for _ in range(batches)], policy
+
+
+def _assert_same(expected, got):
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a[keys.ACTION], b[keys.ACTION]) and torch.equal(a[keys.MASK], b[keys.MASK])
+        for key in (keys.ACTION_LOG_PROB, keys.RAW_LOG_PROB):
+            torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("env_kind", list(ENVS))
+def test_the_static_step_samples_what_the_dynamic_one_does(tokenizer, model, env_kind):
+    dynamic, _ = _collect(tokenizer, model, env_kind, "dynamic")
+    static, policy = _collect(tokenizer, model, env_kind, "static")
+    _assert_same(dynamic, static)
+    assert isinstance(policy.cache, StaticSlotKVCache) and policy.graph is None
+
+
+def test_trees_forked_mid_sequence_with_filtered_sampling(tokenizer, model):
+    sampling = SamplingConfig(temperature=0.8, top_k=50, top_p=0.9)
+    dynamic, _ = _collect(tokenizer, model, "groups", "dynamic", tree=SegmentRule(3, 2), sampling=sampling)
+    static, _ = _collect(tokenizer, model, "groups", "static", tree=SegmentRule(3, 2), sampling=sampling)
+    _assert_same(dynamic, static)
+    assert (static[0][keys.PARENT_ID][:, 0] >= 0).any()  # forks happened
+
+
+def test_the_window_slides_back_to_the_front_and_the_buffers_stay(tokenizer, model):
+    env = ENVS["groups"](tokenizer, model.config)
+    policy = TransformersPolicy(model, env, seed=0, decode="static")
+    cache = policy.cache
+    buffers = [k.data_ptr() for k, _ in cache.buffers]
+    collector = TokenCollector(env, policy, mode="steps", batch_size=4 * cache.capacity)  # many times the buffers
+    next(iter(collector))
+    assert cache.moves > 0  # the window reached the end of the buffers and went back to the front
+    assert [k.data_ptr() for k, _ in cache.buffers] == buffers and cache.layout == 1  # never reallocated
+
+
+def test_a_resume_from_a_checkpoint_is_exact(tokenizer, model):
+    def collector():
+        env = ENVS["multi_turn"](tokenizer, model.config)
+        return TokenCollector(env, TransformersPolicy(model, env, seed=3, decode="static"), mode="trajectories",
+                              batch_size=3)  # fmt: skip
+
+    first = collector()
+    it = iter(first)
+    next(it)
+    state = copy.deepcopy(first.state_dict())
+    expected = [next(it) for _ in range(2)]
+    resumed = collector()
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    for want in expected:
+        got = next(it)
+        assert torch.equal(want[keys.ACTION], got[keys.ACTION])
+        assert torch.equal(want[keys.ACTION_LOG_PROB], got[keys.ACTION_LOG_PROB])
+
+
+def test_a_weight_update_reaches_the_next_step(tokenizer, model):
+    trained = copy.deepcopy(model)
+    env = ENVS["groups"](tokenizer, trained.config)
+    policy = TransformersPolicy(trained, env, seed=0, decode="static")
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=4)
+    it = iter(collector)
+    next(it)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    buffers = [k.data_ptr() for k, _ in policy.cache.buffers]
+    collector.update_policy_weights_(new.state_dict())
+    batch = next(it)
+    mask = batch[keys.MASK] & (batch[keys.POLICY_VERSION] == 1)
+    assert bool(mask.any())
+    forced = TransformersPolicy(new, env).teacher_forced_log_probs(batch)
+    torch.testing.assert_close(batch[keys.ACTION_LOG_PROB][mask], forced[mask], atol=1e-4, rtol=0)
+    assert [k.data_ptr() for k, _ in policy.cache.buffers] == buffers  # cleared in place, not reallocated
+
+
+def test_bad_decode_settings_are_refused_by_name(tokenizer, model):
+    env = ENVS["groups"](tokenizer, model.config)
+    with pytest.raises(ValueError, match=r"decode must be one of \('dynamic', 'static', 'graph'\), got 'cuda'"):
+        TransformersPolicy(model, env, decode="cuda")
+    with pytest.raises(ValueError, match=r"decode='graph' captures the decode step in a CUDA graph; the model is on "
+                                         r"cpu: use decode='static'"):  # fmt: skip
+        TransformersPolicy(model, env, decode="graph")
+    with pytest.raises(ValueError, match=r"capacity must be an int >= 2 .*got 1"):
+        StaticSlotKVCache(model, 2, capacity=1)

@@ -1,0 +1,111 @@
+"""The captured decode step (TransformersPolicy(decode="graph"), GraphDecode): on CUDA, the graph's replays give the
+tokens and log-probs of the same step uncaptured (decode="static") for the same generator state, see a weight update
+between two replays, capture again when the buffers grow, and synchronize once per env step. On the CPU the same tests
+compare decode="static" (the step a graph captures) with decode="dynamic"."""
+
+import copy
+import statistics
+import warnings
+
+import pytest
+import torch
+
+from tokengym.collectors import CollectorOptions, TokenCollector
+from tokengym.collectors.branching import SegmentRule
+from tokengym.collectors.policies import SamplingConfig, TransformersPolicy
+from tokengym.llm_envs import TokenEnv, keys
+from tokengym.testing import tiny_model
+
+PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]
+# on each device: (the decode under test, the one it must equal)
+DECODES = {"cpu": ("static", "dynamic"), "cuda": ("graph", "static")}
+
+
+def _reward(responses, prompts, metadata):
+    return [float(len(r) % 3) for r in responses]
+
+
+def _collect(tokenizer, model, decode, *, batches=2, sampling=None, tree=None, max_length=40, seed=0):
+    env = TokenEnv(PROMPTS, tokenizer, _reward, batch_size=4, group_size=2, max_new_tokens=20, max_length=max_length,
+                   model_config=model.config)  # fmt: skip
+    policy = TransformersPolicy(model, env, seed=seed, decode=decode, sampling=sampling, return_raw_log_prob=True)
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=4,
+                               options=CollectorOptions(tree=tree) if tree else None)  # fmt: skip
+    it = iter(collector)
+    return [next(it) for _ in range(batches)], policy
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.7, top_k=40, top_p=0.9)],
+                         ids=["plain", "filtered"])  # fmt: skip
+def test_the_captured_step_gives_the_uncaptured_tokens_and_log_probs(tokenizer, device, sampling):
+    model = tiny_model(tokenizer, seed=0).to(device)
+    fast, reference = DECODES[device]
+    want, _ = _collect(tokenizer, model, reference, sampling=sampling, tree=SegmentRule(3, 2))
+    got, policy = _collect(tokenizer, model, fast, sampling=sampling, tree=SegmentRule(3, 2))
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a[keys.ACTION], b[keys.ACTION])
+        for key in (keys.ACTION_LOG_PROB, keys.RAW_LOG_PROB):
+            torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0)
+    if device == "cuda":
+        assert policy.graph.captures == 1 and policy.graph.capture_seconds > 0
+
+
+def test_a_weight_update_between_two_replays_reaches_the_next_token(tokenizer, device):
+    model = tiny_model(tokenizer, seed=0).to(device)
+    env = TokenEnv(PROMPTS, tokenizer, _reward, batch_size=4, group_size=2, max_new_tokens=20, max_length=40,
+                   model_config=model.config)  # fmt: skip
+    policy = TransformersPolicy(copy.deepcopy(model), env, seed=0, decode=DECODES[device][0])
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=4)
+    it = iter(collector)
+    next(it)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(device) * 0.05)
+    collector.update_policy_weights_(new.state_dict())
+    batch = next(it)
+    mask = batch[keys.MASK] & (batch[keys.POLICY_VERSION] == 1)
+    forced = TransformersPolicy(new, env).teacher_forced_log_probs(batch)
+    assert bool(mask.any())
+    torch.testing.assert_close(batch[keys.ACTION_LOG_PROB][mask], forced[mask], atol=1e-4, rtol=0)
+
+
+def test_grown_buffers_are_captured_again(tokenizer, device):
+    """Self-play's waiting seats can outgrow the buffers: a new layout, a new graph, the same tokens."""
+    model = tiny_model(tokenizer, seed=0).to(device)
+    fast, reference = DECODES[device]
+    want, _ = _collect(tokenizer, model, reference, batches=1)
+    got, policy = _collect(tokenizer, model, fast, batches=0)
+    policy.cache.reserve(policy.cache.capacity + 8)  # as a window too wide for the buffers would
+    assert policy.cache.layout == 2
+    env = policy.env
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=4)
+    batch = next(iter(collector))
+    assert torch.equal(batch[keys.ACTION], want[0][keys.ACTION])
+    if device == "cuda":
+        assert policy.graph.captures == 1  # captured on the grown buffers only
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_captured_step_synchronizes_once_per_env_step(tokenizer, device):
+    model = tiny_model(tokenizer, seed=0).to(device, torch.bfloat16)
+    env = TokenEnv(PROMPTS, tokenizer, _reward, batch_size=8, max_new_tokens=48, max_length=64, eos_token_ids=[],
+                   model_config=model.config)  # fmt: skip
+    policy = TransformersPolicy(model, env, decode="graph",
+                                sampling=SamplingConfig(banned_token_ids=(tokenizer.eos_token_id,)))  # fmt: skip
+    td = policy(env.reset())  # prefills and captures
+    _, td = env.step_and_maybe_reset(td)
+    counts, sites = [], []
+    for _ in range(16):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                td = policy(td)
+                _, td = env.step_and_maybe_reset(td)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+        counts.append(len(syncs))
+        sites.append(syncs)
+    assert statistics.median(counts) <= 1 and max(counts) <= 2, list(zip(counts, sites, strict=True))
