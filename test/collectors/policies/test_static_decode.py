@@ -1,7 +1,7 @@
 """TransformersPolicy(decode="static"): the fixed-shape decode step (StaticSlotKVCache, what decode="graph" captures
 on CUDA) gives the tokens and log-probs of the dynamic cache for the same generator state, on every kind of episode:
 groups sharing a prompt, refills, multi-turn feedback, trees forked mid-sequence, self-play's waiting seats, a resume
-from a checkpoint and a weight update. Small env buffers make the static window slide back to the front often."""
+from a checkpoint (weight updates: test/gpu/test_graph_decode.py). Small env buffers make the static window slide back to the front often."""
 
 import copy
 
@@ -99,27 +99,6 @@ def test_a_resume_from_a_checkpoint_is_exact(tokenizer, model):
         got = next(it)
         assert torch.equal(want[keys.ACTION], got[keys.ACTION])
         assert torch.equal(want[keys.ACTION_LOG_PROB], got[keys.ACTION_LOG_PROB])
-
-
-def test_a_weight_update_reaches_the_next_step(tokenizer, model):
-    trained = copy.deepcopy(model)
-    env = ENVS["groups"](tokenizer, trained.config)
-    policy = TransformersPolicy(trained, env, seed=0, decode="static")
-    collector = TokenCollector(env, policy, mode="trajectories", batch_size=4)
-    it = iter(collector)
-    next(it)
-    new = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
-    buffers = [k.data_ptr() for k, _ in policy.cache.buffers]
-    collector.update_policy_weights_(new.state_dict())
-    batch = next(it)
-    mask = batch[keys.MASK] & (batch[keys.POLICY_VERSION] == 1)
-    assert bool(mask.any())
-    forced = TransformersPolicy(new, env).teacher_forced_log_probs(batch)
-    torch.testing.assert_close(batch[keys.ACTION_LOG_PROB][mask], forced[mask], atol=1e-4, rtol=0)
-    assert [k.data_ptr() for k, _ in policy.cache.buffers] == buffers  # cleared in place, not reallocated
 
 
 def test_bad_decode_settings_are_refused_by_name(tokenizer, model):
