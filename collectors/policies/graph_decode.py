@@ -79,7 +79,8 @@ class GraphDecode:
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: a trainer thread's CUDA work during the capture (AsyncCollector) is not an error
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 outputs = self._body()
         except RuntimeError as err:
             raise RuntimeError(f"the decode step of {type(self.cache.model).__name__} could not be captured in a CUDA "
