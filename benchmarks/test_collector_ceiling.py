@@ -62,10 +62,13 @@ class InstantPolicy:
         self.version += 1
         return self.version
 
-    def state_dict(self) -> dict:
+    def set_seed(self, seed: int) -> None:
+        self.gen.manual_seed(seed)
+
+    def collection_state(self) -> dict:
         return {"version": self.version}
 
-    def load_state_dict(self, state) -> None:
+    def load_collection_state(self, state) -> None:
         self.version = state["version"]
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """Self-play throughput: the policy playing both seats of a game ÷ the same game against a scripted opponent.
 
 The game is :class:`~tokengym.llm_envs.turns.self_play.CountingGame` (``ROUNDS`` moves per player). Self-play: both players are
-the policy, one slot per player (:func:`~tokengym.llm_envs.turns.self_play.make_self_play_env`); a player's slot waits while the
+the policy, one slot per player (:func:`~tokengym.llm_envs.make_self_play_env`); a player's slot waits while the
 other moves. Scripted: the same game, player 1 answered by a script inside the game (a one-player game through the same
 env), so every slot always moves. End-of-turn ids are banned from sampling: every turn is ``TURN_TOKENS`` tokens, and
 the two setups do the same work per policy move. ``B`` slots, ``GAMES`` games per run (a finite source: a run is every
@@ -24,8 +24,8 @@ import torch
 
 from tokengym.collectors import TokenCollector
 from tokengym.collectors.policies import SamplingConfig, TransformersPolicy
-from tokengym.llm_envs import keys
-from tokengym.llm_envs.turns.self_play import CountingGame, make_self_play_env
+from tokengym.llm_envs import keys, make_self_play_env
+from tokengym.llm_envs.turns.self_play import CountingGame
 from tokengym.testing import tiny_model, tiny_tokenizer
 
 B, GAMES, ROUNDS, TURN_TOKENS, REPEATS = 8, 32, 3, 16, 5

@@ -65,6 +65,11 @@ def child(rows: int, new_tokens: int, full_logits: bool, max_tokens: int | None,
             "s": seconds}  # fmt: skip
 
 
+def _gradient_mib() -> float:
+    """The size of the model's largest gradient (the tied embedding's), MiB."""
+    return REAL_VOCAB * 128 * 4 / 2**20
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return int(next(line.split()[1] for line in f if line.startswith(field + ":")))
@@ -106,15 +111,21 @@ def _write(write, rows: list) -> None:
 
 
 def test_peak_is_flat_as_the_batch_grows_at_a_token_budget(benchmark, table):
-    """Rows 16 -> 64 at 128 new tokens, 2,560 padded tokens per micro-batch: the peak stays within 10%."""
+    """Rows 16 -> 128 at 128 new tokens, 2,560 padded tokens per micro-batch (16 rows fit in one, 128 take eight): from
+    the first batch that is split (32 rows) to one 4x as large, the peak stays within 10%.
+
+    16 rows are one micro-batch, and their peak is one gradient lower: with several micro-batches the gradient
+    accumulated so far lives beside the next one's activations (here the tied 151,936 x 128 embedding's, 74 MiB), a
+    step of the parameters' size, once, whatever the batch; the table shows it."""
     peaks = {}
-    for n in (16, 32, 64):
+    for n in (16, 32, 64, 128):
         r = measure(n, 128, max_tokens=2560)
         peaks[n] = r["rise_mib"]
         table.append(("batch grows", (n, 128), r, "chunked", 2560, False))
     benchmark.extra_info["peaks_mib"] = peaks
     benchmark.pedantic(lambda: None, rounds=1)
-    assert peaks[64] <= 1.10 * peaks[16] + 16, peaks
+    assert peaks[128] <= 1.10 * peaks[32] + 16, peaks
+    assert peaks[32] - peaks[16] <= 2 * _gradient_mib() + 16, peaks  # the one step: a gradient, not the batch
 
 
 def test_chunked_against_whole_logits_as_the_sequence_grows(benchmark, table):

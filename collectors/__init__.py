@@ -12,10 +12,13 @@ from tokengym.collectors.core import CollectMode, CollectorOptions, InFlight
 from tokengym.collectors.dynamic_sampling import DynamicSampling, DynamicSamplingError
 from tokengym.collectors.policies._server_options import NoServerError
 from tokengym.collectors.ray_collector import RayConfig, RayTokenCollector
-from tokengym.collectors.sources import SourceKind
+from tokengym.collectors.recorders import Recorder
+from tokengym.collectors.sources import Advance, Source, SourceKind, StepSource, WaveSource
 from tokengym.collectors.token_collector import TokenCollector
+from tokengym.collectors.tree_source import TreeSource
 
 __all__ = [
+    "Advance",
     "AsyncCollector",
     "BranchRule",
     "CollectMode",
@@ -28,9 +31,14 @@ __all__ = [
     "NoServerError",
     "RayConfig",
     "RayTokenCollector",
+    "Recorder",
     "SegmentRule",
+    "Source",
     "SourceKind",
+    "StepSource",
     "TokenCollector",
+    "TreeSource",
     "TreeStep",
     "TurnRule",
+    "WaveSource",
 ]

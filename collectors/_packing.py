@@ -41,7 +41,7 @@ class Step(dict):
     """One env step of every slot: flat names to (B, ...) tensors (a chunk of width 1 without the
     (B, 1, ...) views, so a step source hands its tensors over as they are). ``ended``: the slots whose
     trajectory ended in the step, when the source knows them (``None``: read from the done flags); ``forks``: the
-    branches forked after it (:class:`~tokengym.collectors.branching.TreeSampler`)."""
+    branches forked after it (:class:`~tokengym.collectors.tree_source.TreeSource`)."""
 
     ended: list[int] | None = None
     forks: list[tuple] | None = None  # trees: (parent slot, parent traj, child slot, child traj, at) made after it

@@ -1,23 +1,27 @@
 """Step sources: how a collector advances the env — one token per step, or a whole wave per call.
 
-Both give chunks of steps (a dict of flat keys, each (B, k, ...)) that a recorder stores, and
-report which slots took a new prompt (for the batch's prompt table). Pick one with :class:`SourceKind`.
+A source is anything that follows the :class:`Source` protocol: ``start()`` resets the env's slots, each
+``advance()`` returns one :class:`Advance` (the steps to record, how many env steps they are, which slots took a new
+prompt), and the collector hands its chunk to a recorder (:class:`~tokengym.collectors.recorders.Recorder`). Two are
+here, picked with :class:`SourceKind`: :class:`StepSource` and :class:`WaveSource`; trees wrap either one
+(:class:`~tokengym.collectors.tree_source.TreeSource`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from enum import StrEnum
+from typing import Protocol, runtime_checkable
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 from tokengym.collectors._packing import Cells, Step, flat_name
 from tokengym.collectors.policies.protocol import StepPolicy, WavePolicy, supports_steps, supports_waves
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.errors import PromptError
 
-__all__ = ["SourceKind", "StepSource", "WaveSource", "make_source"]
+__all__ = ["Advance", "Source", "SourceKind", "StepSource", "WaveSource", "check_source", "make_source"]
 
 # ids and ``active`` are constant within a step, so the collected ("next", ...) leaves them out
 _NEXT_SKIP = (keys.TRAJ_ID, keys.GROUP_ID, keys.SAMPLE_ID, keys.ACTIVE)
@@ -36,6 +40,72 @@ class SourceKind(StrEnum):
 
     STEP = "step"
     WAVE = "wave"
+
+
+@dataclasses.dataclass
+class Advance:
+    """What one ``advance()`` of a :class:`Source` produced.
+
+    Attributes:
+        chunk: the steps to record: a ``Step`` (one env step, (B, ...) tensors), a
+            wave's steps by flat name ((B, T, ...)), or a wave's real steps (``Cells``);
+            empty (``{}``) when nothing ran.
+        steps: the env steps ``chunk`` holds (what a collector's ``total_steps`` counts): 1 for a step, a wave's
+            longest row; 0 for an empty chunk.
+        refilled: the slots that took a new prompt (their prompts join the batch's prompt table).
+        error: the :class:`~tokengym.llm_envs.errors.PromptError` of prompts that could not be loaded (their slots
+            are refilled at the next advance); the collector records the chunk, then raises it.
+        interrupted: rows the policy left unfinished (a weight update interrupted the wave; they go on in the next).
+    """
+
+    chunk: dict
+    steps: int
+    refilled: list[int]
+    error: PromptError | None = None
+    interrupted: int = 0
+
+
+@runtime_checkable
+class Source(Protocol):
+    """How a collector advances its env. Built once with everything it needs (no attribute is set on it afterwards);
+    what varies per call comes as ``advance()``'s arguments.
+
+    - ``kind``: the :class:`SourceKind` it gives (a checkpoint records it).
+    - ``start()``: reset every slot; ``(slots that took a prompt, PromptError of the skipped ones or None)``.
+    - ``advance(min_finished=, cells=)``: one step or wave of every live slot, an :class:`Advance`.
+      ``min_finished``: a wave may stop once that many rows ended (over-sampling; a step source ignores it);
+      ``cells``: give a wave as its real steps (``Cells``: a recorder of
+      trajectories going on across waves copies them anyway).
+    - ``restart(slots)``: start those slots over from their prompts (in-flight work dropped).
+    - ``finished_slots()``: slots holding a recorded, finished trajectory until their refill.
+    - ``counts()``: the source's own counters (a tree's forks), merged into the collector's ``counts()``.
+    - ``state_dict()`` / ``load_state_dict(state)``: resume between batches.
+    """
+
+    kind: SourceKind
+
+    def start(self) -> tuple[list[int], PromptError | None]: ...
+
+    def advance(self, *, min_finished: int | None = None, cells: bool = False) -> Advance: ...
+
+    def restart(self, slots: list[int]) -> None: ...
+
+    def finished_slots(self) -> set[int]: ...
+
+    def counts(self) -> dict: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def check_source(source) -> None:
+    """A ``TypeError`` naming what ``source`` lacks of the :class:`Source` protocol."""
+    missing = [name for name in ("kind", "start", "advance", "restart", "finished_slots", "counts", "state_dict",
+                                 "load_state_dict") if not hasattr(source, name)]  # fmt: skip
+    if missing:
+        raise TypeError(f"a collector's source must follow tokengym.collectors.sources.Source; "
+                        f"{type(source).__name__} lacks {missing}")  # fmt: skip
 
 
 class _StepKeys:
@@ -62,24 +132,20 @@ class StepSource:
     """One env step per call: ``policy(obs)`` (a :class:`StepPolicy`) then ``env.step_and_maybe_reset``."""
 
     kind = SourceKind.STEP
-    last_interrupted = 0  # a step is never interrupted: an update lands at the next step
 
     def __init__(self, env, policy: StepPolicy) -> None:
         if not supports_steps(policy):
             raise TypeError(f"source='step' needs a policy callable on the step TensorDict; {type(policy).__name__} "
                             "only generates waves: use source='wave'")  # fmt: skip
-        self.env, self.policy, self.obs = env, policy, None
+        self.env, self.policy = env, policy
+        self.obs: TensorDictBase | None = None  # the observation the next step acts on
         self.is_bare = _base(env) is env and hasattr(type(env), "ended_slots")
         self.to_refill: list[int] = []  # slots whose prompt failed to load: refilled before the next step
         self._keys = _StepKeys()
-        self.tree = None  # a TreeSampler (branching rollouts): forks after each step, before refills
 
     def start(self) -> tuple[list[int], PromptError | None]:
         """Reset every slot: ``(slots that took a prompt, error of the prompts skipped or None)``."""
         slots = list(range(self.env.batch_size[0]))
-        if self.tree is not None:
-            self.obs, roots, error = self.tree.start()
-            return roots, error
         try:
             self.obs = self.env.reset()
         except PromptError as err:
@@ -87,14 +153,12 @@ class StepSource:
             return [b for b in slots if b not in err.slots], err
         return slots, None
 
-    def advance(self) -> tuple[dict, list[int], PromptError | None]:
-        """One step of every slot: ``(chunk (B, 1, ...), refilled slots, error of skipped prompts or None)``.
+    def advance(self, *, min_finished: int | None = None, cells: bool = False) -> Advance:
+        """One step of every slot (a ``Step`` chunk); the slots refilled after it.
 
         A prompt that cannot be loaded never loses the step that finished its slot: the step is
         recorded, the error returned, and the slot refilled with the next prompt on the next call.
         """
-        if self.tree is not None:
-            return self._advance_tree()
         refilled: list[int] = []
         if self.to_refill:
             slots, self.to_refill = self.to_refill, []
@@ -102,7 +166,7 @@ class StepSource:
                 self.obs = _base(self.env).refill(slots)
             except PromptError as err:
                 self.obs, self.to_refill = err.observation, list(err.slots)
-                return {}, [b for b in slots if b not in err.slots], err
+                return Advance({}, 0, [b for b in slots if b not in err.slots], err)
             refilled = slots
         td = self.policy(self.obs)
         error = None
@@ -120,22 +184,14 @@ class StepSource:
             ended = done.nonzero().squeeze(-1).tolist() if bool(done.any()) else []
         if ended:
             refilled += [b for b in ended if b not in self.to_refill]
+        return Advance(self.step_chunk(td, nxt, ended), 1, refilled, error)
+
+    def step_chunk(self, td: TensorDictBase, nxt: TensorDictBase, ended: list[int]) -> Step:
+        """The recorded tensors of a step (``td`` the policy's input and output, ``nxt`` its ``"next"``), with the
+        slots that ended in it."""
         step = self._keys.chunk(td, nxt, 1)
         step.ended = ended  # the recorder needs no second look at the done flags
-        return step, refilled, error
-
-    def _advance_tree(self) -> tuple[dict, list[int], PromptError | None]:
-        """One step of every slot, then the tree's forks (from live branches, or ones that ended at this step: their
-        tokens are still in their slots), then the slots no tree needs are freed and new trees start there."""
-        td = self.policy(self.obs)
-        out, obs = self.env.step_and_maybe_reset(td, refill=False)
-        nxt = out.get(_NEXT)
-        ended = self.env.ended_slots(nxt.get(keys.DONE[1]))
-        self.obs, roots, forks, error = self.tree.after_step(out, obs, ended)
-        step = self._keys.chunk(td, nxt, 1)
-        step.ended = ended
-        step.forks = forks
-        return step, roots, error
+        return step
 
     def restart(self, slots: list[int]) -> None:
         """Start ``slots`` over from their prompts (in-flight work dropped)."""
@@ -145,18 +201,16 @@ class StepSource:
         """Slots holding a finished trajectory until their refill: none, a step refills them at once."""
         return set()
 
+    def counts(self) -> dict:
+        return {}
+
     def state_dict(self) -> dict:
-        out = {"obs": None if self.obs is None else self.obs.to_dict(), "to_refill": list(self.to_refill)}
-        if self.tree is not None:
-            out["tree"] = self.tree.state_dict()
-        return out
+        return {"obs": None if self.obs is None else self.obs.to_dict(), "to_refill": list(self.to_refill)}
 
     def load_state_dict(self, state: dict) -> None:
         obs = state["obs"]
         self.obs = None if obs is None else TensorDict(obs, self.env.batch_size)
         self.to_refill = list(state.get("to_refill", []))
-        if self.tree is not None and state.get("tree") is not None:
-            self.tree.load_state_dict(state["tree"])
 
 
 class WaveSource:
@@ -165,29 +219,27 @@ class WaveSource:
 
     Done slots are refilled at the start of the next wave; a multi-turn slot whose turn continues
     goes on in the next wave with its whole history as context.
+
+    Args:
+        env: a bare :class:`~tokengym.llm_envs.TokenEnv`.
+        policy: a :class:`WavePolicy`.
+        width: pad each wave to this many steps (a recorder's fixed batch width: no padding copy later); ``None``: as
+            wide as its longest row.
     """
 
     kind = SourceKind.WAVE
 
-    def __init__(self, env, policy: WavePolicy) -> None:
+    def __init__(self, env, policy: WavePolicy, *, width: int | None = None) -> None:
         if not supports_waves(policy):
             raise TypeError(f"source='wave' needs a policy with generate(WaveRequest) -> WaveResult, "
                             f"got {type(policy).__name__}")  # fmt: skip
         if getattr(env, "base_env", env) is not env:
             raise TypeError("source='wave' needs a bare TokenEnv (env transforms run per step); use source='step'")
-        self.env, self.policy, self.done = env, policy, None
-        self.width: int | None = None  # pad waves to this many steps (a recorder's fixed batch width)
-        self.cells = False  # give waves as their real steps (Cells): a recorder of trajectories that go on across waves
-        self.last_steps = 0  # env steps of the last wave (without the padding)
-        self.last_interrupted = 0  # rows of the last wave the policy did not finish (interrupted by an update)
-        self.min_finished: int | None = None  # ask the policy to stop once this many rows ended (over-sampling)
-        self.tree = None  # a TreeSampler (branching rollouts): waves paused at planned forks, forks after each
+        self.env, self.policy, self.width = env, policy, width
+        self.done: torch.Tensor | None = None  # slots whose trajectory ended in the last wave: refilled at the next
 
     def start(self) -> tuple[list[int], PromptError | None]:
         self.done = torch.zeros(self.env.batch_size[0], dtype=torch.bool)
-        if self.tree is not None:
-            _, roots, error = self.tree.start()
-            return roots, error
         slots = list(range(self.env.batch_size[0]))
         try:
             self.env.reset()
@@ -196,11 +248,9 @@ class WaveSource:
             return [b for b in slots if b not in err.slots], err
         return slots, None
 
-    def advance(self) -> tuple[dict, list[int], PromptError | None]:
-        """One wave: ``(chunk (B, T, ...), refilled slots, error of skipped prompts or None)``; the chunk is
-        empty when nothing is live. A slot whose prompt fails to load is refilled at the next wave."""
-        if self.tree is not None:
-            return self._advance_tree()
+    def advance(self, *, min_finished: int | None = None, cells: bool = False) -> Advance:
+        """One wave: its steps (B, T, ...), or its real steps with ``cells``; the chunk is empty when nothing is live.
+        A slot whose prompt fails to load is refilled at the next wave."""
         refilled = self.done.nonzero().squeeze(-1).tolist()
         if refilled:
             try:
@@ -208,85 +258,56 @@ class WaveSource:
             except PromptError as err:
                 self.done = torch.zeros_like(self.done)
                 self.done[err.slots] = True
-                return {}, [b for b in refilled if b not in err.slots], err
+                return Advance({}, 0, [b for b in refilled if b not in err.slots], err)
         request = self.env.wave_request()
         if len(request) == 0:
             self.done = torch.zeros_like(self.done)
-            return {}, refilled, None
-        if self.min_finished is not None:
-            request = dataclasses.replace(request, min_finished=self.min_finished)
-        result = self.policy.generate(request)
-        self.last_interrupted = 0 if result.finished is None else int((~result.finished).sum())
-        if self.cells:
-            out, steps, counts = self._cells(request, result)
+            return Advance({}, 0, refilled)
+        if min_finished is not None:
+            request = dataclasses.replace(request, min_finished=min_finished)
+        result, interrupted = self.generate(request)
+        if cells:
+            out, steps, counts = self.wave_cells(request, result)
             self.done = torch.zeros_like(self.done)
-            if out:
-                live = (counts > 0).nonzero().squeeze(-1)
-                done = steps.get(_NEXT).get(keys.DONE[1]).reshape(-1)
-                self.done[live] = done[counts.cumsum(0).index_select(0, live) - 1]  # each slot's last step
-            return out, refilled, None
+            if not out:
+                return Advance(out, 0, refilled, interrupted=interrupted)
+            live = (counts > 0).nonzero().squeeze(-1)
+            done = steps.get(_NEXT).get(keys.DONE[1]).reshape(-1)
+            self.done[live] = done[counts.cumsum(0).index_select(0, live) - 1]  # each slot's last step
+            return Advance(out, int(counts.max()), refilled, interrupted=interrupted)
         steps = self.env.unroll(request, result, width=self.width)
-        self.last_steps = max(int(steps.get(keys.ACTIVE).any(0).sum()), 1) if self.width else steps.shape[1]
+        n = max(int(steps.get(keys.ACTIVE).any(0).sum()), 1) if self.width else steps.shape[1]
         self.done = steps.get(_NEXT).get(keys.DONE[1]).squeeze(-1).any(1)
-        return _flat(steps.items(include_nested=True, leaves_only=True)), refilled, None
+        return Advance(_flat(steps.items(include_nested=True, leaves_only=True)), n, refilled, interrupted=interrupted)
 
-    def _cells(self, request, result) -> tuple[dict, TensorDict, torch.Tensor]:
-        """The wave's real steps (:class:`Cells`), the env's steps and each slot's count; the chunk is empty (``{}``:
+    def generate(self, request) -> tuple:
+        """``(the policy's WaveResult for request, rows it left unfinished)``."""
+        result = self.policy.generate(request)
+        return result, 0 if result.finished is None else int((~result.finished).sum())
+
+    def wave_cells(self, request, result) -> tuple[dict, TensorDict, torch.Tensor]:
+        """The wave's real steps (``Cells``), the env's steps and each slot's count; the chunk is empty (``{}``:
         nothing to record) for a wave stopped before its first token (an update landed as it started)."""
         steps, counts = self.env.unroll_cells(request, result)
         if int(counts.sum()) == 0:
             return {}, steps, counts
-        self.last_steps = int(counts.max())
         return Cells(_flat(steps.items(include_nested=True, leaves_only=True)), counts), steps, counts
-
-    def _advance_tree(self) -> tuple[dict, list[int], PromptError | None]:
-        """One wave of the trees' live branches, each paused at its rule's next fork (a row capped there and left
-        unfinished: the env keeps it open, the next wave continues it), then the forks (of paused branches, or of
-        ones that ended in the wave: their tokens are still in their slots), the slots freed and new trees started.
-        The chunk is the wave's real steps (:class:`Cells`) with the forks made after it (``forks``)."""
-        env = self.env
-        request = env.wave_request()
-        if len(request) == 0:
-            return {}, [], None
-        slots = request.slots.tolist()
-        caps = self.tree.wave_caps(slots, env.observation().get(keys.RESPONSE_LEN)[request.slots].tolist())
-        paused = None
-        if caps:  # rows capped below their budget stop at the fork: not an env limit, the turn goes on
-            cap = torch.tensor([caps.get(b, -1) for b in slots], dtype=torch.int64)
-            paused = (cap >= 0) & (cap < request.max_new_tokens)
-            budget = torch.where(paused, cap, request.max_new_tokens)
-            request = dataclasses.replace(request, max_new_tokens=budget)
-        result = self.policy.generate(request)
-        self.last_interrupted = 0 if result.finished is None else int((~result.finished).sum())
-        if paused is not None:
-            paused &= result.lengths >= request.max_new_tokens
-            if bool(paused.any()):
-                finished = ~paused if result.finished is None else result.finished & ~paused
-                result = dataclasses.replace(result, finished=finished)
-        out, steps, counts = self._cells(request, result)
-        if not out:  # nothing generated: nothing to fork either
-            return out, [], None
-        _, roots, out.forks, error = self.tree.after_wave(steps, counts)
-        return out, roots, error
 
     def restart(self, slots: list[int]) -> None:
         self.env.restart(slots)
 
     def finished_slots(self) -> set[int]:
-        """Slots whose trajectory ended in the last wave (recorded, not in flight), refilled at the next one (none
-        with trees: their slots are freed or forked into after each wave)."""
+        """Slots whose trajectory ended in the last wave (recorded, not in flight), refilled at the next one."""
         return set() if self.done is None else set(self.done.nonzero().squeeze(-1).tolist())
 
+    def counts(self) -> dict:
+        return {}
+
     def state_dict(self) -> dict:
-        out = {"done": None if self.done is None else self.done.clone()}
-        if self.tree is not None:
-            out["tree"] = self.tree.state_dict()
-        return out
+        return {"done": None if self.done is None else self.done.clone()}
 
     def load_state_dict(self, state: dict) -> None:
         self.done = state["done"]
-        if self.tree is not None and state.get("tree") is not None:
-            self.tree.load_state_dict(state["tree"])
 
 
 def _flat(items) -> dict:
@@ -294,12 +315,17 @@ def _flat(items) -> dict:
     return {name: v for k, v in items if (name := flat_name(k)) not in _NEXT_SKIP_FLAT}
 
 
-def make_source(kind: SourceKind | str | None, env, policy) -> StepSource | WaveSource:
-    """The source of ``kind``; ``None`` picks stepping when the policy can step, else waves."""
+def make_source(kind, env, policy, *, width: int | None = None) -> Source:
+    """The source of ``kind`` (a :class:`SourceKind` or its string); ``None`` picks stepping when the policy can step,
+    else waves (``width``: see :class:`WaveSource`; a step source has none). An object following :class:`Source` is
+    the source itself (built by the caller on the same env and policy)."""
+    if kind is not None and not isinstance(kind, str):
+        check_source(kind)
+        return kind
     if kind is None:
         kind = SourceKind.STEP if supports_steps(policy) else SourceKind.WAVE
     try:
         kind = SourceKind(kind)
     except ValueError:
-        raise ValueError(f"source must be one of {[k.value for k in SourceKind]} or None, got {kind!r}") from None
-    return StepSource(env, policy) if kind is SourceKind.STEP else WaveSource(env, policy)
+        raise ValueError(f"source must be one of {[k.value for k in SourceKind]}, None or a Source, got {kind!r}") from None
+    return StepSource(env, policy) if kind is SourceKind.STEP else WaveSource(env, policy, width=width)

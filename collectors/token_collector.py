@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +13,6 @@ from tensordict import TensorDictBase
 
 from tokengym.collectors._checkpoint import collector_state, load_collector_state
 from tokengym.collectors._metrics import policy_counts
-from tokengym.collectors.branching import TreeSampler
 from tokengym.collectors.core import (
     CollectMode,
     CollectorBase,
@@ -28,13 +28,15 @@ from tokengym.collectors.policies.protocol import (
     sampling_of,
     supports_interrupt,
 )
-from tokengym.collectors.recorders import Step, StepRecorder, TrajectoryRecorder
-from tokengym.collectors.sources import SourceKind, make_source
+from tokengym.collectors.recorders import Recorder, StepRecorder, TrajectoryRecorder, check_recorder
+from tokengym.collectors.sources import Source, SourceKind, check_source, make_source
+from tokengym.collectors.tree_sampler import TreeSampler
+from tokengym.collectors.tree_source import TreeSource
 from tokengym.llm_envs import PromptTable, TokenEnv, keys
 
 __all__ = ["TokenCollector"]
 
-_OPTIONS = ("is_last_step_only", "is_fixed_width", "is_whole_groups", "in_flight", "use_progress_bar")
+_OPTIONS = tuple(inspect.signature(CollectorOptions).parameters)  # named in the error for a loose option
 
 
 class TokenCollector(CollectorBase):
@@ -61,7 +63,8 @@ class TokenCollector(CollectorBase):
         total_steps: stop after this many env steps (each is ``B`` tokens); -1 runs until the
             prompt source is exhausted (forever for a repeating source).
         source: a :class:`~tokengym.collectors.sources.SourceKind` or its string; ``None`` steps
-            when the policy can, else generates waves.
+            when the policy can, else generates waves; or a source of your own on the same env and policy (an object
+            following :class:`~tokengym.collectors.sources.Source`, checked here).
         postproc: a callable applied to every batch (e.g. a KL transform); if it has ``metrics()``,
             they join the batch metrics.
         sink: a TorchRL ``ReplayBuffer`` (``extend``) or a queue (``put``): batches go there and
@@ -92,19 +95,21 @@ class TokenCollector(CollectorBase):
         mode: CollectMode | str = CollectMode.STEPS,
         batch_size: int | None = None,
         total_steps: int = -1,
-        source: SourceKind | str | None = None,
+        source: SourceKind | str | Source | None = None,
         postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
         sink=None,
         logger=None,
         options: CollectorOptions | None = None,
         frames_per_batch: int | None = None,
         total_frames: int | None = None,
-        **legacy,
+        **unexpected,
     ) -> None:
+        if unexpected:
+            _refuse(unexpected)
         base = getattr(env, "base_env", env)
         if not isinstance(base, TokenEnv):
             raise TypeError(f"env must be a TokenEnv or a TransformedEnv of one, got {type(base).__name__}")
-        spec = CollectSpec.from_args(mode, batch_size=batch_size, total_steps=total_steps, options=_options(options, legacy),
+        spec = CollectSpec.from_args(mode, batch_size=batch_size, total_steps=total_steps, options=options,
                                      frames_per_batch=frames_per_batch, total_frames=total_frames)  # fmt: skip
         self.group_size = int(getattr(base.source, "group_size", 1))
         super().__init__(spec.for_env(slots=base.batch_size[0], group_size=self.group_size), postproc=postproc,
@@ -114,9 +119,12 @@ class TokenCollector(CollectorBase):
                              "get the episode's reward when it ends: collect with mode='trajectories'")  # fmt: skip
         policy = as_token_policy(policy)
         self.env, self.base_env, self.policy = env, base, policy
-        self.source = make_source(source, env, policy)
-        if self.mode is CollectMode.TRAJECTORIES and self.options.is_fixed_width and hasattr(self.source, "width"):
-            self.source.width = base.max_new_tokens  # waves come as wide as the batches: no padding copy
+        # waves come as wide as fixed-width batches: no padding copy
+        width = base.max_new_tokens if self.mode is CollectMode.TRAJECTORIES and self.options.is_fixed_width else None
+        self.source: Source = make_source(source, env, policy, width=width)
+        if self.options.tree is not None:
+            self.source = self._tree_source(base, policy, self.source)
+        check_source(self.source)
         if self.source.kind == "step":  # a stepping policy reads its env's tokens: another env fails here
             check_policy_env(policy, env)
         check_policy_sampling(policy, env)  # an agent env tells its programs the temperature they get
@@ -138,18 +146,19 @@ class TokenCollector(CollectorBase):
             raise ValueError(f"CollectorOptions(over_sampling=True) stops waves early to fill TRAJECTORIES batches: "
                              f"collect with mode='trajectories' and source='wave' (got mode={self.mode.value!r}, "
                              f"source={self.source.kind.value!r}), or leave over_sampling off")  # fmt: skip
-        self.recorder = self.new_recorder()
-        if self.options.tree is not None:
-            self._grow_trees(base, policy)
+        self._wave_cells = False  # waves as their real steps, once trajectories went on across waves
+        self.recorder: Recorder = self.new_recorder()
+        check_recorder(self.recorder)
 
-    def _grow_trees(self, base, policy) -> None:
-        """Sample each group as a tree (``options.tree``): checks, then the source's tree sampler (stepping: forks
-        after each step, the KV cache rows copied; waves: each wave paused at the rule's next forks, forks after it)."""
+    def _tree_source(self, base, policy, source) -> TreeSource:
+        """Sample each group as a tree (``options.tree``): checks, then the source wrapped in a tree source (stepping:
+        forks after each step, the KV cache rows copied; waves: each wave paused at the rule's next forks, forks
+        after it)."""
         where = "CollectorOptions(tree=...) grows trees of whole groups"
         if self.mode is not CollectMode.TRAJECTORIES:
             raise ValueError(f"{where}: collect with mode='trajectories' (got mode={self.mode.value!r})")
-        is_wave = self.source.kind == SourceKind.WAVE
-        if not is_wave and not self.source.is_bare:
+        is_wave = source.kind == SourceKind.WAVE
+        if not is_wave and not source.is_bare:
             raise ValueError(f"{where} in a bare TokenEnv: env transforms run per step and cannot be forked; apply "
                              "them to the batches (postproc) instead")  # fmt: skip
         if is_wave and self.options.over_sampling:
@@ -166,34 +175,32 @@ class TokenCollector(CollectorBase):
         if self.options.in_flight is InFlight.DROP:
             raise ValueError(f"{where}: in_flight='drop' restarts the branches in flight from their prompt, out of "
                              "their trees; keep in_flight='continue' (each token keeps the version that sampled it)")  # fmt: skip
-        self.source.tree = TreeSampler(self.options.tree, base, None if is_wave else policy, self.group_size)
-        self.recorder.is_tree = True
+        return TreeSource(source, TreeSampler(self.options.tree, base, None if is_wave else policy, self.group_size))
 
     @property
     def version(self) -> int:
         """The policy's version: the weights it samples with now."""
         return self.policy.version
 
-    def new_recorder(self) -> StepRecorder | TrajectoryRecorder:
+    def new_recorder(self) -> Recorder:
         if self.mode is CollectMode.STEPS:
             return StepRecorder(self.batch_size)
         return TrajectoryRecorder(self.batch_size, self.base_env.max_new_tokens, group_size=self.spec.group_of(self.group_size),
                                   is_fixed_width=self.options.is_fixed_width,
-                                  dynamic_sampling=self.options.dynamic_sampling)  # fmt: skip
+                                  dynamic_sampling=self.options.dynamic_sampling,
+                                  is_tree=self.options.tree is not None)  # fmt: skip
 
     def _drop_orphans(self) -> None:
         """Drop waiting groups that can no longer complete (a sample's prompt failed to load): no slot and
         no sample still to come from the prompt source holds them."""
-        if not isinstance(self.recorder, TrajectoryRecorder):
-            return
-        self.recorder.flush()
-        if not self.recorder.waiting:
+        waiting = self.recorder.waiting_groups()
+        if not waiting:
             return
         live = {p.group_id for b in range(self.base_env.batch_size[0]) if (p := self.base_env.slot_prompt(b))}
-        cursor = self.base_env.source.state_dict()
-        if cursor.get("sample", self.group_size) < self.group_size:
-            live.add(cursor["group"] - 1)  # the group being drawn still has samples to give
-        self.recorder.drop_groups([g for g in self.recorder.waiting if g not in live])
+        drawing = self.base_env.source.group_in_progress
+        if drawing is not None:
+            live.add(drawing)  # the group being drawn still has samples to give
+        self.recorder.drop_groups([g for g in waiting if g not in live])
 
     # -- collecting --
     def _remember_prompts(self, slots) -> None:
@@ -215,22 +222,23 @@ class TokenCollector(CollectorBase):
         """Advance the source once and record what it produced."""
         if self._queued_weights:
             self._apply_queued_weights()
-        if self.options.over_sampling:  # the rows still needed to fill the batch: the wave may stop once they ended
-            self.source.min_finished = max(1, self.batch_size - self.recorder.num_ready)
-        chunk, refilled, error = self.source.advance()
-        if refilled:
-            self._remember_prompts(refilled)
+        # over-sampling: the rows still needed to fill the batch; the wave may stop once they ended
+        need = max(1, self.batch_size - self.recorder.num_ready) if self.options.over_sampling else None
+        step = self.source.advance(min_finished=need, cells=self._wave_cells)
+        if step.refilled:
+            self._remember_prompts(step.refilled)
         for traj, ids in self.base_env.pop_finished_sequences().items():
             self.prompts.add_sequence(traj, ids)
         parts = self.base_env.pop_parts()
         if parts:
             self.recorder.hold_parts(parts)
-        self.counters["interrupted_sequences"] += self.source.last_interrupted
-        if chunk:
-            self.steps_done += 1 if isinstance(chunk, Step) else getattr(self.source, "last_steps", 0) or next(iter(chunk.values())).shape[1]
-            self.pending = self.recorder.write(chunk)
-            if getattr(self.recorder, "continues_turns", False) and hasattr(self.source, "cells"):
-                self.source.cells = True  # a batch copies waves' steps anyway: they come without padding
+        self.counters["interrupted_sequences"] += step.interrupted
+        if step.chunk:
+            self.steps_done += step.steps
+            self.pending = self.recorder.write(step.chunk)
+            # a batch copies waves' steps anyway: once trajectories go on across waves, they come without padding
+            self._wave_cells = self._wave_cells or self.recorder.continues_turns
+        error = step.error
         self._count_failed(error)
         if self.counters["failed_prompts"]:
             self._drop_orphans()
@@ -282,8 +290,7 @@ class TokenCollector(CollectorBase):
         held = [(b, p) for b in range(self.base_env.batch_size[0]) if (p := self.base_env.slot_prompt(b))]
         live = [p.group_id for _, p in held]
         trajectories = self.recorder.queued_trajectories() + [self.base_env.slot_trajectory(b) for b, _ in held]
-        if isinstance(self.recorder, TrajectoryRecorder):
-            live += self.recorder.queued_groups()
+        live += self.recorder.queued_groups()
         # the trajectories still in slots keep their own prompts (a split episode's later part) for their batch
         self.prompts = self.prompts.subset(torch.tensor(live, dtype=torch.int64), trajectories)
 
@@ -293,14 +300,8 @@ class TokenCollector(CollectorBase):
         ``TRAJECTORIES`` mode, the groups dropped and trajectories waiting (with dynamic sampling, its counts: groups
         drawn, kept, dropped for zero spread...), and the policy's own counters (a server fleet's: servers up,
         failovers, reloads, requests sent again)."""
-        out = {**self.counters, **self.base_env.prompt_counts, **self.base_env.turn_metrics, **policy_counts(self.policy)}
-        if getattr(self.source, "tree", None) is not None:
-            out.update(self.source.tree.counters)
-        if isinstance(self.recorder, TrajectoryRecorder):
-            out.update(self.recorder.counters, waiting_trajectories=self.recorder.num_waiting)
-            if self.recorder.sampling is not None:
-                out.update(self.recorder.sampling.counters)
-        return out
+        return {**self.counters, **self.base_env.prompt_counts, **self.base_env.turn_metrics, **policy_counts(self.policy),
+                **self.source.counts(), **self.recorder.counts()}  # fmt: skip
 
     # -- iteration --
     def __iter__(self) -> BatchIterator:
@@ -406,11 +407,11 @@ class TokenCollector(CollectorBase):
         self.undelivered = None  # a batch whose delivery failed is in the restored recorder, or was delivered
 
 
-def _options(options: CollectorOptions | None, legacy: dict) -> CollectorOptions | None:
-    """``options``, or the options passed as keyword arguments (the older way)."""
-    unknown = set(legacy) - set(_OPTIONS)
-    if unknown:
-        raise TypeError(f"TokenCollector got unexpected arguments {sorted(unknown)}; see its docstring")
-    if options is not None and legacy:
-        raise TypeError(f"pass {sorted(legacy)} inside options=CollectorOptions(...), not both")
-    return CollectorOptions(**legacy) if legacy else options
+def _refuse(unexpected: dict) -> None:
+    """The ``TypeError`` for keyword arguments TokenCollector does not take; a collector option names the fix."""
+    other = sorted(set(unexpected) - set(_OPTIONS))
+    if other:
+        raise TypeError(f"TokenCollector got unexpected arguments {other}; see its docstring")
+    fix = ", ".join(f"{name}=..." for name in unexpected)
+    raise TypeError(f"TokenCollector got collector options as keyword arguments ({', '.join(unexpected)}): pass "
+                    f"options=CollectorOptions({fix})")  # fmt: skip

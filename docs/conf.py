@@ -43,7 +43,9 @@ nitpick_ignore_regex = [(r"py:.*", rf"({'|'.join(_EXTERNAL)})(\..*)?")]
 # internal types that appear in the signature of a documented base class or handler; not for users to build
 nitpick_ignore = [("py:class", "tokengym.collectors.core.CollectSpec"),
                   ("py:class", "tokengym.llm_envs.adapters._episodes.EpisodeSource"),
-                  ("py:class", "tokengym.llm_envs.agents.chat_app.RequestRefused")]
+                  ("py:class", "tokengym.llm_envs.agents.chat_app.RequestRefused"),
+                  ("py:class", "tokengym.collectors._packing.Step"),  # a StepSource's chunk
+                  ("py:class", "tokengym.collectors.tree_sampler.TreeSampler")]  # what a TreeSource drives
 
 autodoc_typehints = "signature"
 autodoc_member_order = "bysource"

@@ -15,9 +15,8 @@ import torch
 
 from tokengym.collectors import TokenCollector
 from tokengym.collectors.policies import TransformersPolicy
-from tokengym.llm_envs import keys
+from tokengym.llm_envs import keys, make_self_play_env
 from tokengym.llm_envs.adapters import make_textarena_self_play_env
-from tokengym.llm_envs.turns import make_self_play_env
 from tokengym.testing import tiny_model, tiny_tokenizer
 from tokengym.transforms import RoleAdvantage
 

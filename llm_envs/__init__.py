@@ -11,6 +11,7 @@ from tokengym.llm_envs.multi_turn_env import MultiTurnTokenEnv
 from tokengym.llm_envs.prompt_table import PromptTable
 from tokengym.llm_envs.prompts import Prompt, PromptSource
 from tokengym.llm_envs.rewards import CombinedReward, FormatReward, MathAnswerReward, RewardModelReward
+from tokengym.llm_envs.self_play_env import make_self_play_env
 from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 from tokengym.llm_envs.trl_rewards import TRLReward, from_trl_reward
 
@@ -32,6 +33,7 @@ __all__ = [
     "PromptTable",
     "RewardFn",
     "TokenEnv",
+    "make_self_play_env",
     "TRLReward",
     "from_trl_reward",
 ]

@@ -7,7 +7,7 @@ import hashlib
 import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
@@ -20,7 +20,7 @@ _NO_TEMPLATE = ("is a chat message list but the tokenizer has no chat_template; 
                 "(a jinja template) or pass plain strings")  # fmt: skip
 
 
-class OverlongPrompts(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we support 3.10)
+class OverlongPrompts(StrEnum):
     """What a prompt source does with a prompt longer than its limit (the env's ``max_length - 1``)."""
 
     ERROR = "error"  # raise PromptError naming the prompt (the prompt is skipped; iterating again goes on)
@@ -194,6 +194,12 @@ class PromptSource:
         samples its prompt once, as its root; its other samples are branches forked from it)."""
         if self._current is not None:
             self._sample = self.group_size
+
+    @property
+    def group_in_progress(self) -> int | None:
+        """The id of the group being drawn while it has samples still to give (``None`` when there is none): a
+        collector keeps that group's finished samples waiting rather than dropping them."""
+        return self._group - 1 if self._group and self._sample < self.group_size else None
 
     def shard(self, index: int, num_shards: int) -> PromptSource:
         """Keep only the groups whose id ``g`` has ``g % num_shards == index`` (in place; returns ``self``).

@@ -284,15 +284,16 @@ class TokenEnv(EnvBase):
         """Ids the chat template closes an assistant turn with (empty for a single-turn env or no template)."""
         return self._renderer.close_ids if self._renderer is not None else torch.zeros(0, dtype=torch.int64)
 
-    def render(self, feedback: str, role: str = "user") -> torch.Tensor:
-        """Token ids of a feedback message plus the generation prompt, as the chat template writes them
-        after an assistant turn (no default system prompt repeated); ``"\\n{feedback}\\n"`` without a template.
+    def feedback_tokens(self, feedback: str, role: str = "user") -> torch.Tensor:
+        """The token ids (a new 1-D int64 tensor) of a ``role`` message ``feedback`` plus the generation prompt, as the
+        chat template writes them after an assistant turn (no default system prompt repeated);
+        ``"\\n{feedback}\\n"`` without a template. Not the close of the turn before it: see :meth:`feedback_ids`.
 
         Example:
             >>> from tokengym.testing import tiny_tokenizer
             >>> tok = tiny_tokenizer()
             >>> env = TokenEnv(["1+1="], tok, max_turns=2, batch_size=1, max_new_tokens=8, max_length=64)
-            >>> tok.decode(env.render("again", "user"))
+            >>> tok.decode(env.feedback_tokens("again"))
             '<|user|>again<|end|><|assistant|>'
         """
         return self._multi_turn_renderer().render([{"role": role, "content": feedback}]).clone()

@@ -146,6 +146,49 @@ def test_imports_go_one_way(path):
                 assert PACKAGES[target] <= level, f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}"
 
 
+def _runtime_imports(tree):
+    """``(line, module, names)`` of every import ``tree`` runs (function bodies included, ``if TYPE_CHECKING:`` not)."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        test = getattr(node, "test", None)
+        if isinstance(node, ast.If) and getattr(test, "id", getattr(test, "attr", None)) == "TYPE_CHECKING":
+            todo += node.orelse
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.lineno, node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name, []) for a in node.names)
+        todo += ast.iter_child_nodes(node)
+
+
+def _env_imports(path) -> list[str]:
+    """Imports of the env module (``llm_envs/token_env.py``, or a name of the package that is not a submodule,
+    such as ``TokenEnv``) that ``path`` runs: the env module imports the turns package, so they go one way."""
+    folder = ROOT / "llm_envs"
+    submodules = {p.stem for p in folder.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    out = []
+    for line, module, names in _runtime_imports(_tree(path)):
+        if module.startswith("tokengym.llm_envs.token_env") or (
+                module == "tokengym.llm_envs" and any(n not in submodules for n in names)):  # fmt: skip
+            out.append(f"{path.name}:{line} imports {module}" + (f" {names}" if names else ""))
+    return out
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "llm_envs" / "turns").rglob("*.py")), ids=lambda p: p.name)
+def test_the_turns_package_does_not_import_the_env(path):
+    assert not _env_imports(path)
+
+
+def test_the_env_import_check_sees_imports_in_functions_and_skips_type_checking(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from typing import TYPE_CHECKING\nfrom tokengym.llm_envs import keys\nif TYPE_CHECKING:\n"
+                   "    from tokengym.llm_envs.token_env import TokenEnv\ndef f():\n"
+                   "    from tokengym.llm_envs import TokenEnv\n    import tokengym.llm_envs.token_env\n")  # fmt: skip
+    assert sorted(_env_imports(bad)) == ["bad.py:6 imports tokengym.llm_envs ['TokenEnv']",
+                                         "bad.py:7 imports tokengym.llm_envs.token_env"]  # fmt: skip
+
+
 def _classes():
     """Every class of ours: name -> (module path, base names, private names it defines, `self._x` uses)."""
     out = {}

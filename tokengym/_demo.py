@@ -28,7 +28,7 @@ from torchrl.objectives import ClipPPOLoss
 
 from tokengym import training
 from tokengym._recipe_reasoning_gym import RandomReward
-from tokengym.collectors import TokenCollector
+from tokengym.collectors import CollectorOptions, TokenCollector
 from tokengym.collectors.async_collector import AsyncCollector
 from tokengym.collectors.policies import SamplingConfig, SequenceActor, TransformersPolicy
 from tokengym.llm_envs import TokenEnv
@@ -163,8 +163,8 @@ def rl_parts(config: DemoConfig, model, tok, train_problems: list[dict], *, rewa
     policy = TransformersPolicy(model, env, sampling=SamplingConfig(temperature=1.0), seed=config.seed)
     kl = KLRewardTransform(controller=AdaptiveKLController(0.02, target=2.0, horizon=2000), ref_model=ref,
                            estimator="k3", pad_id=tok.pad_token_id)  # fmt: skip
-    collector = TokenCollector(env, policy, mode="trajectories", batch_size=config.trajectories,
-                               total_steps=-1, postproc=kl, use_progress_bar=show_bar)  # fmt: skip
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=config.trajectories, total_steps=-1,
+                               postproc=kl, options=CollectorOptions(use_progress_bar=show_bar))  # fmt: skip
     actor = SequenceActor(model, pad_token_id=tok.pad_token_id)
     loss = ClipPPOLoss(actor, critic_network=None, entropy_bonus=False, functional=False, clip_epsilon=0.2)
     optim = torch.optim.Adam(model.parameters(), lr=config.lr)

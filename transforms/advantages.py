@@ -16,7 +16,7 @@ does that (a hole is a step of reward 0 and value 0).
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 import torch
 from tensordict import TensorDictBase
@@ -39,7 +39,7 @@ __all__ = ["AdvantageEstimator", "MaskedSteps", "GAEAdvantage", "DiscountedRetur
 _NEXT_VALUE = (keys.NEXT, keys.STATE_VALUE)
 
 
-class AdvantageEstimator(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we support 3.10)
+class AdvantageEstimator(StrEnum):
     """Advantage estimators; each also accepts its string (``AdvantageEstimator("grpo")``)."""
 
     GAE = "gae"  # per-token GAE from rewards and a critic
@@ -58,7 +58,7 @@ class AdvantageEstimator(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; 
             raise ValueError(f"unknown advantage estimator {value!r}; use one of {[e.value for e in cls]}") from None
 
 
-class MaskedSteps(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we support 3.10)
+class MaskedSteps(StrEnum):
     """What GAE and returns make of a masked step inside a trajectory (a hole)."""
 
     SKIP = "skip"  # not a step: its neighbours are consecutive (tokengym's default)

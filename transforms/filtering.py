@@ -8,7 +8,7 @@ weights to the per-token loss of TorchRL's ``ClipPPOLoss`` / ``GRPOLoss``, so th
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 import torch
 from tensordict import TensorDictBase
@@ -23,7 +23,7 @@ __all__ = ["FilterMode", "ZeroStdGroupFilter", "clip_filter_like_weights", "Clip
            "ratio_window_weights", "RatioWindowWeights"]  # fmt: skip
 
 
-class FilterMode(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we support 3.10)
+class FilterMode(StrEnum):
     """What :class:`ZeroStdGroupFilter` does with a filtered group."""
 
     DROP = "drop"  # remove its rows (TRAJECTORIES batches)

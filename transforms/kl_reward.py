@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 import torch
 from tensordict import TensorDictBase
@@ -24,7 +24,7 @@ from tokengym.transforms.sequences import step_log_probs
 __all__ = ["KLEstimator", "K3Clamp", "kl_estimate", "KLRewardTransform"]
 
 
-class KLEstimator(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we support 3.10)
+class KLEstimator(StrEnum):
     """Per-token KL estimators of KL(policy || reference) from one sample (Schulman, "Approximating KL")."""
 
     K1 = "k1"  # logp - ref: unbiased, high variance, can be negative
@@ -33,7 +33,7 @@ class KLEstimator(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we supp
     ABS = "abs"  # |logp - ref|
 
 
-class K3Clamp(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we support 3.10)
+class K3Clamp(StrEnum):
     """How the ``k3`` estimate is kept finite."""
 
     OUTPUT = "output"  # clamp the k3 value to [-clamp, clamp] (OpenRLHF, verl, LightRFT); at most `clamp`

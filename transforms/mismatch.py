@@ -18,7 +18,7 @@ Metrics (over valid tokens): ``mismatch_k3``, the k3 estimate of KL(sampler || t
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
+from enum import Enum, StrEnum
 
 import torch
 from tensordict import TensorDictBase
@@ -42,7 +42,7 @@ _METRIC_NAMES = ("mismatch_k3", "mismatch_abs_log_ratio_mean", "mismatch_abs_log
                 "mismatch_masked_fraction", "mismatch_weight_mean")  # fmt: skip
 
 
-class CorrectionMode(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we support 3.10)
+class CorrectionMode(StrEnum):
     """What :class:`MismatchCorrection` does with the importance weight ``w = p_trainer / p_sampler``."""
 
     TRUNCATE = "truncate"  # TIS: min(w, cap)
@@ -50,7 +50,7 @@ class CorrectionMode(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we s
     NONE = "none"  # measure only: no weight written
 
 
-class CorrectionLevel(str, Enum):  # noqa: UP042
+class CorrectionLevel(StrEnum):
     """Where :class:`MismatchCorrection` takes the importance weight."""
 
     TOKEN = "token"  # each token's own ratio

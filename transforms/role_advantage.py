@@ -1,6 +1,6 @@
 """Per-role advantages of self-play batches: GRPO per (group, role), or SPIRAL's role-conditioned baseline.
 
-In self-play (``tokengym.llm_envs.turns.self_play.make_self_play_env``) one policy plays every seat of a game, and the
+In self-play (``tokengym.llm_envs.make_self_play_env``) one policy plays every seat of a game, and the
 seats are not alike (the first player of TicTacToe wins more often): comparing a first player's return with a second
 player's would credit the seat, not the play. A trajectory's role is ``sample_id % num_players`` (the self-play env
 numbers player ``r`` of game ``j`` of a group ``j * num_players + r``), and its advantage compares it with its own role

@@ -14,7 +14,7 @@ tokens, not weights: a masked-out token lowers the loss's scale as it does in ve
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -25,7 +25,7 @@ from tokengym.transforms._checks import found_keys, squeeze_last
 __all__ = ["LossAggregation", "WeightedLoss"]
 
 
-class LossAggregation(str, Enum):  # noqa: UP042 (StrEnum needs python 3.11; we support 3.10)
+class LossAggregation(StrEnum):
     """How :class:`WeightedLoss` reduces a per-token term."""
 
     TOKEN_MEAN = "token_mean"  # sum over valid tokens / their number

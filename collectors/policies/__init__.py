@@ -16,7 +16,7 @@ from tokengym.collectors.policies._vllm_dialect import VLLMEngineDialect, VLLMSe
 from tokengym.collectors.policies._wave_core import WaveCore
 from tokengym.collectors.policies.dialects import EngineDialect, ServerDialect, WaveDialect, check_dialect
 from tokengym.collectors.policies.graph_decode import GraphDecode
-from tokengym.collectors.policies.kv_cache import SlotKVCache, StaticSlotKVCache
+from tokengym.collectors.policies.kv_cache import SlotKVCache
 from tokengym.collectors.policies.lora import AdaptersDisabled, adapter_weights, merged_weights
 from tokengym.collectors.policies.prefix_store import PrefixStore
 from tokengym.collectors.policies.protocol import (
@@ -39,6 +39,7 @@ from tokengym.collectors.policies.sequence_actor import (
     SequenceActor,
 )
 from tokengym.collectors.policies.shared_prefix_actor import SharedPrefixActor
+from tokengym.collectors.policies.static_kv_cache import StaticSlotKVCache
 from tokengym.collectors.policies.transformers_policy import TransformersPolicy
 from tokengym.collectors.policies.vllm_policy import VLLMPolicy
 from tokengym.collectors.policies.vllm_server import LocalVLLMServer

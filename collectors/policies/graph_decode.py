@@ -1,6 +1,6 @@
 """A TransformersPolicy's decode step and its sampling, captured in one CUDA graph and replayed every env step.
 
-The step runs over a :class:`~tokengym.collectors.policies.kv_cache.StaticSlotKVCache`, whose buffers keep
+The step runs over a :class:`~tokengym.collectors.policies.static_kv_cache.StaticSlotKVCache`, whose buffers keep
 their shapes and addresses: the graph holds the model's forward over them, the cache's in-place column writes and
 :func:`~tokengym.collectors.policies.sampling.sample_tokens` with every sampling option. What changes from step to step
 goes in through two small buffers the graph reads: the step's inputs (B, 4) (one host-to-device copy) and the
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from tokengym.collectors.policies.kv_cache import StaticSlotKVCache
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
+from tokengym.collectors.policies.static_kv_cache import StaticSlotKVCache
 
 __all__ = ["GraphDecode"]
 

@@ -24,30 +24,22 @@ The forwards and the cache's own writes run under ``torch.inference_mode()`` (a 
 small model than ``no_grad``); the keys and values are inference tensors, but the logits a decode returns feed
 functional ops only, so what a policy hands out, and a checkpoint's clones, are ordinary tensors.
 
-Static buffers (``TransformersPolicy(decode="static")`` and ``"graph"``): :class:`StaticSlotKVCache` keeps this
-layout (each row's tokens right-aligned in a window of columns, one column appended per decode step, refills, forks, prefix sharing,
-waiting rows and multi-turn extensions as there) but holds the window inside buffers of ``capacity`` columns allocated
-once: keys and values (B, H, capacity, D) per layer and the attention mask (B, capacity). The window slides right by a
-column per decode step; dropping front columns zeroes their mask; when the window reaches the end of the buffers it is
-copied back to the front, once every ``capacity - window`` steps at most (outside any graph). A decode step writes its
-new column in place at a position held on the device and attends over all ``capacity`` columns through a 4-D mask
-(columns outside the window are masked), so its inputs and outputs keep their shapes and addresses from step to step:
-what :class:`~tokengym.collectors.policies.graph_decode.GraphDecode` captures.
-
-The buffers grow (a copy, and a new graph) only when a window outgrows them, which the default capacity (the env's
-token buffer plus a quarter) leaves to waiting rows that gather many holes (self-play).
+Storage: where the columns live is behind a few public hooks (:meth:`SlotKVCache.setup_storage`,
+:meth:`~SlotKVCache.replace_columns`, :meth:`~SlotKVCache.append_columns`, :meth:`~SlotKVCache.resize_columns`, with
+the ``kv`` and ``mask`` views); the bookkeeping above does not depend on it. Static buffers
+(``TransformersPolicy(decode="static")`` and ``"graph"``, every decode step the same shapes) override them:
+:class:`~tokengym.collectors.policies.static_kv_cache.StaticSlotKVCache`.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tokengym.collectors.policies.prefix_store import DEFAULT_PREFIX_CACHE_BYTES, PrefixStore, group_by_prompt
 from tokengym.llm_envs.devices import input_device
 
-__all__ = ["SlotKVCache", "StaticSlotKVCache", "static_capacity"]
+__all__ = ["SlotKVCache"]
 
 
 class SlotKVCache:
@@ -73,7 +65,7 @@ class SlotKVCache:
         self.prefixes = PrefixStore(prefix_cache_bytes if share_prefixes else 0)
         """Prompts prefilled lately, for the later samples of their groups (:class:`PrefixStore`)."""
         self.device = input_device(model)  # where the ids, positions and mask go (keys/values: each layer's device)
-        self._setup(self._empty_layers(batch_size))
+        self.setup_storage(self._empty_layers(batch_size))
         # host bookkeeping, beside the env's slot state: reading it never synchronizes with the device
         self.length = torch.zeros(batch_size, dtype=torch.int64)  # cached tokens per slot
         self.traj = torch.full((batch_size,), -1, dtype=torch.int64)  # trajectory per row
@@ -97,21 +89,38 @@ class SlotKVCache:
             for layer in cache.layers
         ]  # fmt: skip
 
-    def _setup(self, empty: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The cache the decode steps go through, and the attention mask (B, C), both 0 columns wide."""
+    # -- column storage: the hooks a subclass keeping the columns elsewhere overrides (StaticSlotKVCache) --
+    def setup_storage(self, empty: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Storage hook, one of four a subclass that keeps the columns elsewhere overrides (with
+        :meth:`replace_columns`, :meth:`append_columns`, :meth:`resize_columns`, and the ``kv`` and ``mask`` views):
+        the cache the decode steps go through (``self.cache``) and the attention mask (B, C), both 0 columns wide.
+        ``empty`` holds every layer's keys and values (B, H, 0, D). Called once, by ``__init__``."""
         # one DynamicCache lives across steps: rebuilding it per step would copy every layer's KV
         self.cache = self._new_cache(empty)
         self.mask = torch.zeros(self.batch_size, 0, dtype=torch.int64, device=self.device)  # (B, C)
 
-    def _replace(self, kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
-        """Make ``kv`` and ``mask`` (as wide as one another) the cache's columns."""
+    def replace_columns(self, kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
+        """Storage hook (a subclass may override it): make ``kv`` and ``mask`` (as wide as one another) the cache's
+        columns."""
         self.kv, self.mask = kv, mask
 
-    def _append_columns(self, width: int) -> None:
-        """``width`` masked columns after the last one, in every row."""
+    def append_columns(self, width: int) -> None:
+        """Storage hook (a subclass may override it): ``width`` masked columns after the last one, in every row."""
         self.kv = [(torch.cat([k, k.new_zeros(*k.shape[:2], width, k.shape[3])], 2),
                     torch.cat([v, v.new_zeros(*v.shape[:2], width, v.shape[3])], 2)) for k, v in self.kv]  # fmt: skip
         self.mask = torch.cat([self.mask, self.mask.new_zeros(self.batch_size, width)], 1)
+
+    def resize_columns(self, keep: int) -> None:
+        """Storage hook (a subclass may override it): make the cache ``keep`` columns wide, dropping the first
+        columns (a view) or prepending holes (a copy). The caller renumbers the columns (:meth:`span`)."""
+        drop = self.columns - keep
+        if drop > 0:
+            self.kv = [(k[:, :, drop:], v[:, :, drop:]) for k, v in self.kv]
+            self.mask = self.mask[:, drop:]
+        elif drop < 0:
+            self.kv = [(torch.cat([k.new_zeros(*k.shape[:2], -drop, k.shape[3]), k], 2),
+                        torch.cat([v.new_zeros(*v.shape[:2], -drop, v.shape[3]), v], 2)) for k, v in self.kv]  # fmt: skip
+            self.mask = torch.cat([self.mask.new_zeros(self.batch_size, -drop), self.mask], 1)
 
     def _new_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
         cache = DynamicCache(config=self.model.config)
@@ -184,7 +193,8 @@ class SlotKVCache:
         # the columns any held row still needs (a waiting row's span: its tokens and the holes after them); the
         # refilled rows need `width`
         keep = max(int(torch.where(held, self.span(), 0).max()), width)
-        self._resize(keep)
+        self._base += self.columns - keep  # dropped columns keep their numbers
+        self.resize_columns(keep)
         # not `mask[rows] = 0`: a host scalar copied to the device waits for it
         self.mask.index_fill_(0, forget.nonzero().squeeze(-1).to(self.device, non_blocking=True), 0)
         self.first[rows] = self._base + keep - lens
@@ -296,18 +306,6 @@ class SlotKVCache:
             if b not in copied:
                 self.length[b] = 0
 
-    def _resize(self, keep: int) -> None:
-        """Make the cache ``keep`` columns wide: drop the first columns (a view) or prepend holes (a copy)."""
-        drop = self.columns - keep
-        self._base += drop  # the columns keep their numbers
-        if drop > 0:
-            self.kv = [(k[:, :, drop:], v[:, :, drop:]) for k, v in self.kv]
-            self.mask = self.mask[:, drop:]
-        elif drop < 0:
-            self.kv = [(torch.cat([k.new_zeros(*k.shape[:2], -drop, k.shape[3]), k], 2),
-                        torch.cat([v.new_zeros(*v.shape[:2], -drop, v.shape[3]), v], 2)) for k, v in self.kv]  # fmt: skip
-            self.mask = torch.cat([self.mask.new_zeros(self.batch_size, -drop), self.mask], 1)
-
     @torch.inference_mode()
     def extend(self, rows: torch.Tensor, segments: list[torch.Tensor]) -> None:
         """Append ``segments[i]`` (1-D ids, may be empty) to the cached tokens of row ``rows[i]``.
@@ -335,7 +333,7 @@ class SlotKVCache:
         self.model(input_ids=ids, attention_mask=self._block_mask(attention, width), position_ids=positions,
                    past_key_values=sub,
                    logits_to_keep=1)  # fmt: skip
-        self._append_columns(width)
+        self.append_columns(width)
         for i, layer in enumerate(sub.layers):
             k, v = self.kv[i]
             at = rows.to(k.device)
@@ -357,7 +355,7 @@ class SlotKVCache:
         attention = torch.cat([self.mask, self._new_column], dim=1)  # (B, C+1)
         out = self.model(
             input_ids=step[:, :1],
-            attention_mask=self._decode_mask(attention),
+            attention_mask=self.decode_mask(attention),
             position_ids=step[:, 1:2],
             past_key_values=self.cache,
         )
@@ -366,8 +364,9 @@ class SlotKVCache:
         self.length += live
         return out.logits[:, -1]
 
-    def _decode_mask(self, attention: torch.Tensor) -> torch.Tensor:
-        """The attention mask (B, C+1) of a one-token step, as the model's attention takes it without a host read.
+    def decode_mask(self, attention: torch.Tensor) -> torch.Tensor:
+        """The attention mask (B, C+1) of a one-token step, as the model's attention takes it without a host read
+        (for a subclass's own decode step too).
 
         Given a 2-D mask, transformers asks the host whether every column is attended (to skip the mask), one
         synchronization per forward on an accelerator; a 4-D mask (B, 1, 1, C+1) goes to the attention as it is. A
@@ -402,8 +401,8 @@ class SlotKVCache:
         """Right-align every row: its cached tokens become the last ``length`` columns (O(B * C))."""
         keep = int(self.length.max())
         order = torch.sort(self.mask, dim=1, stable=True).indices[:, self.columns - keep :]  # (B, keep)
-        self._replace([(k.gather(2, _expand(order.to(k.device), k)), v.gather(2, _expand(order.to(v.device), v)))
-                       for k, v in self.kv], self.mask.gather(1, order))  # fmt: skip
+        self.replace_columns([(k.gather(2, _expand(order.to(k.device), k)), v.gather(2, _expand(order.to(v.device), v)))
+                               for k, v in self.kv], self.mask.gather(1, order))  # fmt: skip
         self.first.copy_(self._base + keep - self.length)
 
     def clear(self) -> None:
@@ -411,8 +410,8 @@ class SlotKVCache:
 
         Cheaper than a new cache, which probes the model once to learn its layer shapes.
         """
-        self._replace([(k.new_zeros(*k.shape[:2], 0, k.shape[3]), v.new_zeros(*v.shape[:2], 0, v.shape[3]))
-                       for k, v in self.kv], self.mask.new_zeros(self.batch_size, 0))  # fmt: skip
+        self.replace_columns([(k.new_zeros(*k.shape[:2], 0, k.shape[3]), v.new_zeros(*v.shape[:2], 0, v.shape[3]))
+                               for k, v in self.kv], self.mask.new_zeros(self.batch_size, 0))  # fmt: skip
         self.length = torch.zeros_like(self.length)
         self.traj = torch.full_like(self.traj, -1)
         self.first, self._base = torch.zeros_like(self.first), 0
@@ -433,9 +432,9 @@ class SlotKVCache:
             raise ValueError(f"this KV cache checkpoint holds {rows} slots, the cache has {self.batch_size}")
         # a checkpoint loaded with map_location="cpu" goes back to the model's devices (and dtype: a checkpoint of a
         # float32 run resumed on a bfloat16 model); bookkeeping to the host
-        self._replace([(k.to(mine.device, mine.dtype, copy=True), v.to(mine_v.device, mine_v.dtype, copy=True))
-                       for (k, v), (mine, mine_v) in zip(state["kv"], self.kv, strict=True)],
-                      state["mask"].to(self.device, copy=True))  # fmt: skip
+        self.replace_columns([(k.to(mine.device, mine.dtype, copy=True), v.to(mine_v.device, mine_v.dtype, copy=True))
+                               for (k, v), (mine, mine_v) in zip(state["kv"], self.kv, strict=True)],
+                              state["mask"].to(self.device, copy=True))  # fmt: skip
         self.length, self.traj = state["length"].to("cpu", copy=True), state["traj"].to("cpu", copy=True)
         self._base = 0  # a checkpoint without spans (older) holds right-aligned rows
         self.first = self.columns - state.get("span", self.length).to("cpu", copy=True)
@@ -450,210 +449,3 @@ class SlotKVCache:
 def _expand(order: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """Column indices (B, C') expanded to gather keys or values (B, H, C', D)."""
     return order[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3])
-
-
-# -- static buffers: the same layout, every decode step the same shapes --
-def static_capacity(max_length: int) -> int:
-    """The columns a static cache allocates for an env of ``max_length`` tokens per slot: a quarter more, so the
-    window slides a quarter of ``max_length`` steps at least between two copies back to the front."""
-    return int(max_length) + max(16, int(max_length) // 4)
-
-
-class _Column:
-    """The device position (1,) a decode step writes its column at, shared by every layer of one cache."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.index = torch.zeros(1, dtype=torch.int64, device=device)
-
-
-class _ColumnLayer(CacheLayerMixin):
-    """One layer's keys and values (B, H, capacity, D): ``update`` writes the step's new column in place at
-    ``column.index`` and hands the model the whole buffers (the 4-D mask says which columns count)."""
-
-    is_compileable = True
-    is_sliding = False
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: _Column) -> None:
-        super().__init__()
-        self.keys, self.values, self.column = keys, values, column
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
-        pass
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys.index_copy_(2, self.column.index, key_states)
-        self.values.index_copy_(2, self.column.index, value_states)
-        return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.keys.shape[2], 0
-
-    def get_seq_length(self, *args) -> int:
-        return 0  # the positions are given per row; nothing reads this during a decode step
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
-
-
-class StaticSlotKVCache(SlotKVCache):
-    """:class:`SlotKVCache` whose columns live in buffers of ``capacity`` columns allocated once.
-
-    Example:
-        >>> from tokengym.testing import tiny_tokenizer, tiny_model
-        >>> model = tiny_model(tiny_tokenizer())
-        >>> cache = StaticSlotKVCache(model, 2, capacity=8)
-        >>> tokens = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
-        >>> seq_len, active = torch.tensor([3, 2]), torch.tensor([True, True])
-        >>> cache.sync(tokens, seq_len, torch.tensor([0, 1]), active)
-        >>> cache.length.tolist(), cache.columns, cache.capacity
-        ([2, 1], 2, 8)
-        >>> cache.decode(torch.tensor([7, 9]), active).shape, cache.columns
-        (torch.Size([2, 512]), 3)
-    """
-
-    def __init__(self, model, batch_size: int, *, capacity: int, **kwargs) -> None:
-        if not isinstance(capacity, int) or capacity < 2:
-            raise ValueError(f"capacity must be an int >= 2 (columns per slot), got {capacity!r}")
-        self.capacity = capacity
-        self.moves = 0
-        """Times the window was copied back to the front of the buffers."""
-        self.layout = 0
-        """Bumped whenever the buffers are allocated anew (a grown window): a captured graph of the old ones is
-        stale."""
-        super().__init__(model, batch_size, **kwargs)
-
-    # -- the buffers and the window [start, end) --
-    def _setup(self, empty: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self._start = self._end = 0
-        self._column = _Column(self.device)
-        self._allocate(self.capacity, [(k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device) for k, v in empty])
-        self.cache = Cache(layers=self._layers)
-
-    def _allocate(self, capacity: int, shapes) -> None:
-        B = self.batch_size
-        with torch.inference_mode(False):  # ordinary tensors: written in place in and out of inference mode
-            self._layers = [_ColumnLayer(torch.zeros(B, h, capacity, dk, dtype=dtype, device=device),
-                                         torch.zeros(B, h, capacity, dv, dtype=dtype, device=device), self._column)
-                            for h, dk, dv, dtype, device in shapes]  # fmt: skip
-            self._mask = torch.zeros(B, capacity, dtype=torch.int64, device=self.device)
-        self.capacity = capacity
-        self.layout += 1
-
-    @property
-    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Keys and values of every layer, (B, H, C, D) each: views of the window (writes land in the buffers)."""
-        s, e = self._start, self._end
-        return [(layer.keys[:, :, s:e], layer.values[:, :, s:e]) for layer in self._layers]
-
-    @property
-    def mask(self) -> torch.Tensor:
-        """The attention mask (B, C) of the window: a view (writes land in the buffer)."""
-        return self._mask[:, self._start : self._end]
-
-    @property
-    def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The whole key and value buffers (B, H, capacity, D) of every layer."""
-        return [(layer.keys, layer.values) for layer in self._layers]
-
-    def _move(self, start: int, width: int | None = None) -> None:
-        """Copy the window to begin at column ``start`` (growing the buffers when ``width`` columns from there do
-        not fit); the columns it leaves are masked."""
-        width = self.columns if width is None else width
-        if start + width > self.capacity:
-            self._grow(start + width)
-        s, e = self._start, self._end
-        if start != s:
-            n = e - s
-            for layer in self._layers:
-                layer.keys[:, :, start : start + n] = layer.keys[:, :, s:e].clone()
-                layer.values[:, :, start : start + n] = layer.values[:, :, s:e].clone()
-            window = self._mask[:, s:e].clone()
-            self._mask.zero_()
-            self._mask[:, start : start + n] = window
-            self._start, self._end = start, start + n
-            self.moves += 1
-
-    def reserve(self, columns: int) -> None:
-        """Buffers of at least ``columns`` columns (new ones, a new :attr:`layout`, when they are narrower)."""
-        if columns > self.capacity:
-            self._grow(columns)
-
-    def _grow(self, needed: int) -> None:
-        """New buffers of at least ``needed`` columns, the window copied to their front (a new layout)."""
-        old, window, s, e = self._layers, self.mask.clone(), self._start, self._end
-        shapes = [(k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device) for k, v in self.buffers]
-        self._allocate(max(needed, self.capacity + self.capacity // 2), shapes)
-        for new, layer in zip(self._layers, old, strict=True):
-            new.keys[:, :, : e - s] = layer.keys[:, :, s:e]
-            new.values[:, :, : e - s] = layer.values[:, :, s:e]
-        self._mask[:, : e - s] = window
-        self._start, self._end = 0, e - s
-        self.cache.layers = self._layers
-
-    # -- SlotKVCache's column operations, in place --
-    def _replace(self, kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
-        width = mask.shape[1]
-        if width > self.capacity:
-            self._grow(width)
-        start = min(self._start, self.capacity - width)
-        for layer, (k, v) in zip(self._layers, kv, strict=True):
-            layer.keys[:, :, start : start + width] = k
-            layer.values[:, :, start : start + width] = v
-        self._mask.zero_()
-        self._mask[:, start : start + width] = mask
-        self._start, self._end = start, start + width
-
-    def _append_columns(self, width: int) -> None:
-        if self._end + width > self.capacity:
-            self._move(0, self.columns + width)
-        self._end += width  # the new columns are masked: outside the window, the mask is 0
-
-    def _resize(self, keep: int) -> None:
-        drop = self.columns - keep
-        self._base += drop  # the columns keep their numbers
-        if drop >= 0:
-            self._mask[:, self._start : self._start + drop] = 0
-            self._start += drop
-            return
-        if self._start < -drop:  # no room before the window: move it right
-            self._move(-drop, keep)
-        self._start += drop  # holes: masked columns
-
-    # -- stepping --
-    @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """:meth:`SlotKVCache.decode` with fixed shapes: the new column written in place, attention over the whole
-        buffers (:meth:`step_logits`)."""
-        step = self.step_inputs(tokens, live).to(self.device, non_blocking=True)  # one host-to-device copy
-        logits = self.step_logits(step)
-        self.advance(live)
-        return logits
-
-    def step_inputs(self, tokens: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """The host's inputs (B, 4) of the next decode step: token, position, live, the column it writes (the same in
-        every row); makes room for that column first (a copy back to the front when the window reached the end)."""
-        if self._end >= self.capacity:
-            self._move(0, self.columns + 1)
-        column = torch.full_like(self.length, self._end)
-        return torch.stack([tokens, self.length, live.to(torch.int64), column], 1)
-
-    def step_logits(self, step: torch.Tensor) -> torch.Tensor:
-        """One decode step from its inputs ``step`` (B, 4) on the device (:meth:`step_inputs`): the next-token logits
-        (B, V). Fixed shapes and addresses, no host read: what a CUDA graph captures."""
-        column = step[:1, 3]
-        self._column.index.copy_(column)  # where every layer writes its new key and value
-        self._mask.index_fill_(1, column, 1)  # during the step every row attends to its new column
-        out = self.model(input_ids=step[:, :1], attention_mask=self._decode_mask(self._mask),
-                         position_ids=step[:, 1:2], past_key_values=self.cache)  # fmt: skip
-        self._mask.index_copy_(1, column, step[:, 2:3])  # then live rows only keep it
-        return out.logits[:, -1]
-
-    def advance(self, live: torch.Tensor) -> None:
-        """The host's side of a decode step taken (:meth:`step_logits`): the window and the live rows' lengths."""
-        self._end += 1
-        self.length += live
-
-    def nbytes(self) -> int:
-        """Bytes of the key and value buffers (all ``capacity`` columns)."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.buffers)

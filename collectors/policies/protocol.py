@@ -48,7 +48,6 @@ Example:
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -120,7 +119,6 @@ class WavePolicy(TokenPolicy, Protocol):
 
 
 _REQUIRED = ("version", "update_weights", "set_seed", "collection_state", "load_collection_state", "close")
-_LEGACY = ("version", "update_weights", "state_dict", "load_state_dict", "close")  # the protocol before the rename
 
 
 def supports_steps(policy) -> bool:
@@ -159,27 +157,14 @@ def is_token_policy(policy) -> bool:
     return isinstance(policy, TokenPolicy) and (supports_steps(policy) or supports_waves(policy))
 
 
-def _is_legacy(policy) -> bool:
-    return not hasattr(policy, "collection_state") and all(hasattr(policy, name) for name in _LEGACY)
-
-
 def check_policy(policy) -> None:
-    """Raise a ``TypeError`` naming what ``policy`` lacks of :class:`TokenPolicy` and a generation mode.
-
-    A policy written for the protocol before ``collection_state`` (``state_dict`` / ``load_state_dict``, no
-    ``set_seed``) still works, with a ``DeprecationWarning``.
-    """
-    legacy = _is_legacy(policy)
-    missing = [name for name in (_LEGACY if legacy else _REQUIRED) if not hasattr(policy, name)]
+    """Raise a ``TypeError`` naming what ``policy`` lacks of :class:`TokenPolicy` and a generation mode."""
+    missing = [name for name in _REQUIRED if not hasattr(policy, name)]
     if not (supports_steps(policy) or supports_waves(policy)):
         missing.append("__call__ (steps) or generate (waves)")
     if missing:
         raise TypeError(f"{type(policy).__name__} is not a TokenPolicy: it lacks {missing}; "
                         "see tokengym.collectors.policies.protocol.TokenPolicy")  # fmt: skip
-    if legacy:
-        warnings.warn(f"{type(policy).__name__} checkpoints through state_dict / load_state_dict: rename them "
-                      "collection_state / load_collection_state and add set_seed(seed) (TokenPolicy); the old "
-                      "names will stop working", DeprecationWarning, stacklevel=3)  # fmt: skip
 
 
 def as_token_policy(policy):
@@ -193,8 +178,6 @@ def as_token_policy(policy):
 
 def policy_state(policy, *, include_cache: bool = True) -> dict:
     """``policy.collection_state()``, with ``include_cache`` where the policy ``supports_cache_state``."""
-    if _is_legacy(policy):
-        return policy.state_dict()
     if supports_cache_state(policy):
         return policy.collection_state(include_cache=include_cache)
     return policy.collection_state()
@@ -202,10 +185,7 @@ def policy_state(policy, *, include_cache: bool = True) -> dict:
 
 def load_policy_state(policy, state: dict) -> None:
     """``policy.load_collection_state(state)``: restore :func:`policy_state`."""
-    if _is_legacy(policy):
-        policy.load_state_dict(state)
-    else:
-        policy.load_collection_state(state)
+    policy.load_collection_state(state)
 
 
 def weights_of(policy_or_weights, weights=None, *, missing: str = "no weights were given") -> dict[str, torch.Tensor]:

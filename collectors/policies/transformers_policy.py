@@ -17,11 +17,12 @@ from transformers import (
 
 from tokengym.collectors.policies._lora_sync import AdapterSpec, check_not_adapter, tensor_bytes
 from tokengym.collectors.policies.graph_decode import GraphDecode
-from tokengym.collectors.policies.kv_cache import SlotKVCache, StaticSlotKVCache, static_capacity
+from tokengym.collectors.policies.kv_cache import SlotKVCache
 from tokengym.collectors.policies.lora import is_lora_model, merged_weights
 from tokengym.collectors.policies.prefix_store import DEFAULT_PREFIX_CACHE_BYTES, group_by_prompt
 from tokengym.collectors.policies.protocol import Weights, check_fits_env, weights_of
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
+from tokengym.collectors.policies.static_kv_cache import StaticSlotKVCache, static_capacity
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.devices import generator_device, input_device, output_device, seeded_generator
 from tokengym.llm_envs.waves import WaveRequest, WaveResult

@@ -32,8 +32,8 @@ from tokengym.llm_envs._env_checks import require_tokenizer
 from tokengym.llm_envs.adapters._kwargs import EPISODE_ENV_OPTIONS, EPISODE_HINTS, check_kwargs
 from tokengym.llm_envs.adapters._lazy import require
 from tokengym.llm_envs.adapters.text_env import make_text_env
+from tokengym.llm_envs.self_play_env import make_self_play_env
 from tokengym.llm_envs.token_env import TokenEnv
-from tokengym.llm_envs.turns.self_play import make_self_play_env
 
 __all__ = ["TextArenaEnv", "TextArenaGame", "make_textarena_env", "make_textarena_self_play_env", "textarena_factory",
            "textarena_game_factory"]
@@ -176,7 +176,7 @@ class TextArenaGame:
 
 def textarena_game_factory(env_id: str, **kwargs) -> functools.partial:
     """A picklable ``factory()`` of :class:`TextArenaGame` for ``env_id`` (``kwargs``: ``num_players``, the
-    ``textarena.make`` options), for ``make_self_play_env`` (``tokengym.llm_envs.turns.self_play``)."""
+    ``textarena.make`` options), for :func:`~tokengym.llm_envs.make_self_play_env`."""
     return functools.partial(TextArenaGame, env_id, **kwargs)
 
 
@@ -191,7 +191,7 @@ def make_textarena_self_play_env(env_id: str, tokenizer, *, num_players: int = 2
         game_factory: ``game_factory()`` -> a new game (default: :class:`TextArenaGame` of ``env_id``; pass a
             subclass's factory to record or alter games).
         max_turns: turns per player.
-        **env_kwargs: the arguments of ``make_self_play_env`` (``tokengym.llm_envs.turns.self_play``)
+        **env_kwargs: the arguments of :func:`~tokengym.llm_envs.make_self_play_env`
             (``games_per_group``, ``num_games``, ``seed``, ``system_prompt``) and of
             :class:`~tokengym.llm_envs.TokenEnv` (``batch_size``, ``max_new_tokens``, ``max_turn_tokens``,
             ``max_length``...).

@@ -2,9 +2,9 @@
 
 See :class:`TurnHandler` for the protocol; the handlers here are single-turn scoring
 (:class:`RewardTurns`), feedback turns (:class:`FeedbackTurns`) and self-play (:class:`SelfPlayTurns`, the policy
-playing every seat of a :class:`TurnGame`); tool turns live in
-:mod:`tokengym.llm_envs.tools`, external episodes in :mod:`tokengym.llm_envs.adapters`, agent programs in
-:mod:`tokengym.llm_envs.agents`.
+playing every seat of a :class:`TurnGame`, in an env built by :func:`~tokengym.llm_envs.make_self_play_env`); tool
+turns live in :mod:`tokengym.llm_envs.tools`, external episodes in :mod:`tokengym.llm_envs.adapters`, agent programs
+in :mod:`tokengym.llm_envs.agents`.
 """
 
 from tokengym.llm_envs.turns.feedback import FeedbackTurns, TurnFn
@@ -18,17 +18,7 @@ from tokengym.llm_envs.turns.protocol import (
            Wake,
 )
 from tokengym.llm_envs.turns.scoring import RewardTurns
+from tokengym.llm_envs.turns.self_play import CountingGame, SelfPlayTurns, TurnGame
 
 __all__ = ["CountingGame", "EnvFacts", "FeedbackTurns", "FinishedTurns", "HeldEpisode", "RewardTurns", "SelfPlayTurns",
-           "Turn", "TurnFn", "TurnGame", "TurnHandler", "Wait", "Wake", "make_self_play_env"]
-
-_SELF_PLAY = ("CountingGame", "SelfPlayTurns", "TurnGame", "make_self_play_env")
-
-
-def __getattr__(name: str):
-    """The self-play names, imported on first use: self-play builds a ``TokenEnv``, whose module imports this package."""
-    if name in _SELF_PLAY:
-        from tokengym.llm_envs.turns import self_play
-
-        return getattr(self_play, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+           "Turn", "TurnFn", "TurnGame", "TurnHandler", "Wait", "Wake"]

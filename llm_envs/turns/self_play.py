@@ -23,7 +23,11 @@ r``: its role is ``sample_id % n``. Advantages should compare a role with itself
 **Checkpoints.** A live game cannot be saved: :meth:`SelfPlayTurns.state_dict` keeps each game's seed and the calls
 made on it (moves and observations, in order) and loading replays them on a new game.
 
+**The env.** :func:`~tokengym.llm_envs.make_self_play_env` builds a ``TokenEnv`` with these seats and this handler (it
+lives beside the env: this package does not import the env module, which imports it).
+
 Example:
+    >>> from tokengym.llm_envs import make_self_play_env
     >>> from tokengym.testing import tiny_tokenizer
     >>> env = make_self_play_env(CountingGame, tiny_tokenizer(), batch_size=2, max_new_tokens=16, max_length=256)
     >>> obs = env.reset()
@@ -42,7 +46,6 @@ import torch
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.errors import RewardFunctionError
 from tokengym.llm_envs.prompts import Prompt, PromptSource
-from tokengym.llm_envs.token_env import TokenEnv
 from tokengym.llm_envs.turns.protocol import (
     EnvFacts,
     FinishedTurns,
@@ -53,7 +56,7 @@ from tokengym.llm_envs.turns.protocol import (
     Wake,
 )
 
-__all__ = ["CountingGame", "SeatSource", "SelfPlayTurns", "TurnGame", "batch_players", "make_self_play_env"]
+__all__ = ["CountingGame", "SeatSource", "SelfPlayTurns", "TurnGame", "batch_players"]
 
 GAME, ROLE, SEED, PLAYERS = "game", "role", "seed", "players"  # prompt-metadata fields of a seat's draw
 GAME_OVER = "The game is over."
@@ -395,33 +398,3 @@ def batch_players(batch) -> int | None:
     players = meta.get(PLAYERS)
     return None if players is None else int(players)
 
-
-def make_self_play_env(game_factory: Callable[[], TurnGame], tokenizer, *, games_per_group: int = 1,
-                       num_games: int | None = None, seed: int = 0, system_prompt: str = SYSTEM_PROMPT,
-                       max_turns: int = 16, **kwargs) -> TokenEnv:  # fmt: skip
-    """A :class:`~tokengym.llm_envs.TokenEnv` in which the policy plays every seat of ``game_factory``'s games.
-
-    Args:
-        game_factory: ``game_factory()`` -> a new :class:`TurnGame`.
-        tokenizer: as for :class:`~tokengym.llm_envs.TokenEnv` (with a chat template).
-        games_per_group: games played from one seed; a group holds their ``games_per_group * num_players`` players.
-        num_games: games to play (``None``: endless).
-        seed: the games' seeds (``seed * 100_003 + group``).
-        system_prompt: the system message every seat starts from (the prompt of every trajectory).
-        max_turns: turns per player.
-        **kwargs: the other :class:`~tokengym.llm_envs.TokenEnv` arguments (``batch_size`` at least the number of
-            players; ``group_size`` is set from ``games_per_group``).
-
-    Raises:
-        ValueError: ``batch_size`` below the number of players, or ``group_size`` given.
-    """
-    if "group_size" in kwargs:
-        raise ValueError(f"group_size={kwargs['group_size']!r}: a self-play group is set by games_per_group "
-                         "(group_size = games_per_group * num_players)")  # fmt: skip
-    n = int(game_factory().num_players)
-    batch_size = kwargs.get("batch_size", 8)
-    if batch_size < n:
-        raise ValueError(f"batch_size={batch_size} is below the game's {n} players: every seat of a game needs a slot")
-    source = SeatSource(tokenizer, num_players=n, games_per_group=games_per_group, num_games=num_games, seed=seed)
-    turns = SelfPlayTurns(game_factory, system_prompt=system_prompt)
-    return TokenEnv(source, tokenizer, turns=turns, max_turns=max_turns, **kwargs)

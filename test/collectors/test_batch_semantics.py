@@ -42,10 +42,13 @@ class InstantPolicy:
         self.version += 1
         return self.version
 
-    def state_dict(self) -> dict:
+    def set_seed(self, seed: int) -> None:
+        self.gen.manual_seed(seed)
+
+    def collection_state(self) -> dict:
         return {"version": self.version, "rng": self.gen.get_state()}
 
-    def load_state_dict(self, state) -> None:
+    def load_collection_state(self, state) -> None:
         self.version = state["version"]
         self.gen.set_state(state["rng"])
 

@@ -118,7 +118,7 @@ def test_a_checkpoint_with_open_trees_resumes_exactly_on_waves(tokenizer):
         first = wave_collector(tokenizer, rule(), seed=3)
         batches = iter(first)
         next(batches)
-        assert first.source.tree.live  # trees in flight at the checkpoint
+        assert first.source.sampler.live  # trees in flight at the checkpoint
         state = first.state_dict()
         expected = [next(batches) for _ in range(2)]
         resumed = wave_collector(tokenizer, rule(), seed=3)

@@ -36,7 +36,7 @@ def _steps(n: int, *, group_size: int, p_end: float, max_new_tokens: int = 6):
                    max_new_tokens=max_new_tokens, max_length=32)  # fmt: skip
     source = StepSource(env, _RandomTokens(len(tok), tok.eos_token_id, p_end))
     source.start()
-    return [source.advance()[0] for _ in range(n)]
+    return [source.advance().chunk for _ in range(n)]
 
 
 def _batches(recorder, steps, *, flush_each: bool) -> list:

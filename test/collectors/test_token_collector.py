@@ -1,10 +1,11 @@
 import queue
+import re
 
 import pytest
 import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-from tokengym.collectors import CollectMode, TokenCollector
+from tokengym.collectors import CollectMode, CollectorOptions, TokenCollector
 from tokengym.collectors.policies import SamplingConfig
 from tokengym.llm_envs import PromptSource, keys
 
@@ -121,7 +122,7 @@ def test_weight_updates_bump_versions(make_env, make_policy):
 def test_last_step_only(make_env, make_policy):
     env = make_env(batch_size=2, max_new_tokens=4)
     batch = next(iter(TokenCollector(env, make_policy(env), mode="trajectories", batch_size=3,
-                                     is_last_step_only=True)))  # fmt: skip
+                                     options=CollectorOptions(is_last_step_only=True))))  # fmt: skip
     assert batch.shape == (3,) and bool(batch["next", "done"].all())
 
 
@@ -166,7 +167,13 @@ def test_bad_arguments(make_env, make_policy, model):
     with pytest.raises(ValueError, match=r"mode must be one of \['steps', 'trajectories'\], got 'frames'"):
         TokenCollector(env, policy, mode="frames", batch_size=2)
     with pytest.raises(ValueError, match=r"is_last_step_only=True needs mode='trajectories'"):
-        TokenCollector(env, policy, mode="steps", batch_size=2, is_last_step_only=True)
+        TokenCollector(env, policy, mode="steps", batch_size=2, options=CollectorOptions(is_last_step_only=True))  # fmt: skip
+    loose = re.escape("got collector options as keyword arguments (is_last_step_only, in_flight): pass "
+                      "options=CollectorOptions(is_last_step_only=..., in_flight=...)")  # fmt: skip
+    with pytest.raises(TypeError, match=loose):
+        TokenCollector(env, policy, mode="steps", batch_size=2, is_last_step_only=True, in_flight="drop")
+    with pytest.raises(TypeError, match=r"got unexpected arguments \['frames'\]; see its docstring"):
+        TokenCollector(env, policy, mode="steps", batch_size=2, frames=3, use_progress_bar=True)
     with pytest.raises(TypeError, match=r"sink must be a ReplayBuffer \(extend\) or a queue \(put\), got object"):
         TokenCollector(env, policy, mode="steps", batch_size=2, sink=object())
     with pytest.raises(ValueError, match=r"total_steps must be a positive int or -1 \(endless\), got 0"):

@@ -91,14 +91,28 @@ def test_waves_come_as_their_real_steps_once_trajectories_go_on_across_them():
     """Multi-turn: the source switches to ``unroll_cells`` (a batch copies chained steps anyway); single-turn: waves
     stay padded (a batch that is one wave's rows is those tensors, not a copy)."""
     multi = _collector("wave")
-    assert not multi.source.cells
+    asked = _cells_asked(multi)
     _batches(multi, 2)
-    assert multi.source.cells
+    assert not asked[0] and asked[-1]  # padded until a trajectory went on across a wave, real steps from then on
+    assert asked == sorted(asked)  # the switch is for good
     env = TokenEnv(PromptSource(PROMPTS, TOK), TOK, lambda r, p, m: [0.0] * len(r), batch_size=3, max_new_tokens=20,
                    max_length=128)  # fmt: skip
     single = TokenCollector(env, SampledPolicy(env, p_end=3), mode="trajectories", batch_size=3, source="wave")
+    asked = _cells_asked(single)
     _batches(single, 3)
-    assert not single.source.cells
+    assert asked and not any(asked)
+
+
+def _cells_asked(collector) -> list[bool]:
+    """The ``cells`` argument of each of the collector's source advances, as they happen."""
+    asked, advance = [], collector.source.advance
+
+    def spy(**kwargs):
+        asked.append(kwargs["cells"])
+        return advance(**kwargs)
+
+    collector.source.advance = spy
+    return asked
 
 
 def test_a_checkpoint_with_open_chains_resumes_exactly_twice():
@@ -113,7 +127,7 @@ def test_a_checkpoint_with_open_chains_resumes_exactly_twice():
     got, it = [], iter(second)
 
     def is_restored_open() -> bool:  # a chain that began before the checkpoint, still going on
-        restored = second.recorder._live
+        restored = second.recorder.chains.live
         return any(pieces[0][0] is restored for pieces in (second.recorder.open or {}).values())
 
     while not (got and is_restored_open()):

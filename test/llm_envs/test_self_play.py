@@ -8,9 +8,9 @@ import torch
 from tokengym.collectors import TokenCollector
 from tokengym.collectors.policies import TransformersPolicy
 from tokengym.errors import RewardFunctionError
-from tokengym.llm_envs import TokenEnv, keys
+from tokengym.llm_envs import TokenEnv, keys, make_self_play_env
 from tokengym.llm_envs.turns import Turn, TurnHandler, Wake
-from tokengym.llm_envs.turns.self_play import SYSTEM_PROMPT, CountingGame, make_self_play_env
+from tokengym.llm_envs.turns.self_play import SYSTEM_PROMPT, CountingGame
 from tokengym.testing import tiny_model, tiny_tokenizer
 
 

@@ -11,11 +11,11 @@ import torch
 from tokengym.collectors import TokenCollector
 from tokengym.collectors.policies import TransformersPolicy
 from tokengym.errors import EpisodeError, PromptError, TokenGymWarning
-from tokengym.llm_envs import PromptSource, TokenEnv, keys
+from tokengym.llm_envs import PromptSource, TokenEnv, keys, make_self_play_env
 from tokengym.llm_envs.agents import AgentError
 from tokengym.llm_envs.errors import refill_error
 from tokengym.llm_envs.turns import Turn, TurnHandler
-from tokengym.llm_envs.turns.self_play import CountingGame, make_self_play_env
+from tokengym.llm_envs.turns.self_play import CountingGame
 from tokengym.transforms import RoleAdvantage
 
 

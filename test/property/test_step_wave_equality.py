@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokengym.collectors import TokenCollector
+from tokengym.collectors import CollectorOptions, TokenCollector
 from tokengym.llm_envs import TokenEnv, keys
 from tokengym.llm_envs.turns import FeedbackTurns, Turn
 from tokengym.llm_envs.waves import WaveResult
@@ -43,10 +43,13 @@ class ScriptedPolicy:
     def update_weights(self, weights=None) -> int:
         return self.version
 
-    def state_dict(self) -> dict:
+    def set_seed(self, seed: int) -> None:
+        pass
+
+    def collection_state(self) -> dict:
         return {}
 
-    def load_state_dict(self, state) -> None:
+    def load_collection_state(self, state) -> None:
         pass
 
     def close(self) -> None:
@@ -64,7 +67,7 @@ def _trajectories(source: str, B: int, turns: int, max_new: int, turn_limit, p_e
     else:
         env = TokenEnv(PROMPTS, TOK, turns=FeedbackTurns(_feedback), max_turns=turns, **kwargs)
     collector = TokenCollector(env, ScriptedPolicy(env, p_end), mode="trajectories", batch_size=B, source=source,
-                               is_whole_groups=False)  # fmt: skip
+                               options=CollectorOptions(is_whole_groups=False))  # fmt: skip
     out = {}
     for batch in collector:
         for i in range(batch.shape[0]):

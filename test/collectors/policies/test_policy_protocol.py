@@ -267,8 +267,9 @@ def test_update_weights_takes_a_state_dict_a_tensordict_or_a_module(make_env, ma
         weights_of(None, None, missing="needs weights")
 
 
-def test_an_old_checkpoint_and_a_policy_written_before_the_rename_still_load(make_env, tokenizer, make_policy):
-    """Checkpoints keep their format; a policy with state_dict / load_state_dict works, with a DeprecationWarning."""
+def test_an_old_checkpoint_loads_and_a_policy_of_the_old_names_is_refused(make_env, tokenizer, make_policy):
+    """Checkpoints keep their format; a policy with state_dict / load_state_dict (the names before the rename) is
+    refused, naming the methods it lacks."""
 
     class OldPolicy:
         version = 0
@@ -281,14 +282,9 @@ def test_an_old_checkpoint_and_a_policy_written_before_the_rename_still_load(mak
         def load_state_dict(self, state: dict) -> None:
             self.version = state["version"]
 
-    with pytest.warns(DeprecationWarning, match="rename them collection_state / load_collection_state"):
-        collector = TokenCollector(make_env(), OldPolicy(tokenizer.eos_token_id), mode="steps", batch_size=4)
-    next(iter(collector))
-    collector.update_policy_weights_({})
-    state = collector.state_dict()
-    assert state["policy"] == {"version": 1}
-    collector.load_state_dict({**state, "policy": {"version": 5}})
-    assert collector.policy.version == 5
+    with pytest.raises(TypeError, match=r"OldPolicy is not a TokenPolicy: it lacks \['set_seed', 'collection_state', "
+                                        r"'load_collection_state'\]"):  # fmt: skip
+        TokenCollector(make_env(), OldPolicy(tokenizer.eos_token_id), mode="steps", batch_size=4)
     # a checkpoint of a TransformersPolicy written before the rename: the same keys, loaded as they are
     env = make_env()
     policy = make_policy(env)

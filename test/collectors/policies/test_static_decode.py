@@ -11,9 +11,9 @@ import torch
 from tokengym.collectors import CollectorOptions, TokenCollector
 from tokengym.collectors.branching import SegmentRule
 from tokengym.collectors.policies import SamplingConfig, StaticSlotKVCache, TransformersPolicy
-from tokengym.llm_envs import TokenEnv, keys
+from tokengym.llm_envs import TokenEnv, keys, make_self_play_env
 from tokengym.llm_envs.turns import Turn, TurnHandler
-from tokengym.llm_envs.turns.self_play import CountingGame, make_self_play_env
+from tokengym.llm_envs.turns.self_play import CountingGame
 
 PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]
 
