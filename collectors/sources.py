@@ -106,6 +106,9 @@ def check_source(source) -> None:
     if missing:
         raise TypeError(f"a collector's source must follow tokengym.collectors.sources.Source; "
                         f"{type(source).__name__} lacks {missing}")  # fmt: skip
+    if source.kind not in tuple(SourceKind):
+        raise TypeError(f"a source's kind must be a SourceKind ({[k.value for k in SourceKind]}), "
+                        f"{type(source).__name__} has kind={source.kind!r}")  # fmt: skip
 
 
 class _StepKeys:

@@ -374,7 +374,7 @@ class TokenCollector(CollectorBase):
 
     # -- TorchRL collector conventions --
     def describe(self) -> dict[str, object]:
-        source = getattr(self.source.kind, "value", type(self.source).__name__)
+        source = SourceKind(self.source.kind).value
         return {"mode": repr(self.mode.value), "batch_size": self.batch_size, "total_steps": self.total_steps,
                 "source": repr(source), "policy": f"{type(self.policy).__name__}(version={self.policy.version})",
                 "env": repr(self.env), "steps_done": self.steps_done}  # fmt: skip

@@ -81,6 +81,10 @@ def test_a_source_missing_part_of_the_protocol_is_refused_naming_it(make_env, ma
 
     with pytest.raises(TypeError, match=r"Half lacks \['restart', 'finished_slots', 'counts', 'state_dict'"):
         TokenCollector(env, make_policy(env), mode="steps", batch_size=2, source=Half())
+    source = _Counting(env, make_policy(env))
+    source.kind = "token"
+    with pytest.raises(TypeError, match="kind must be a SourceKind.*kind='token'"):
+        TokenCollector(env, make_policy(env), mode="steps", batch_size=2, source=source)
     with pytest.raises(ValueError, match="None or a Source, got 'stepping'"):
         TokenCollector(env, make_policy(env), mode="steps", batch_size=2, source="stepping")
 
