@@ -78,29 +78,14 @@ class TrajectoryRecorder:
         return self.queue.sampling
 
     @property
-    def counters(self) -> dict:
-        """Groups and trajectories dropped (:meth:`drop_groups`)."""
-        return self.queue.counters
-
-    @property
     def ready(self) -> list[tuple]:
         """Entries ``(segment, row, length, group, traj, score, sample, is_part)`` of complete groups, in order."""
         return self.queue.ready
 
     @property
-    def waiting(self) -> dict[int, list[tuple]]:
-        """Group -> its finished trajectories so far."""
-        return self.queue.waiting
-
-    @property
     def open(self) -> dict[int, list[tuple]] | None:
         """Waves: slot -> the pieces of its trajectory going on."""
         return self.chains.open
-
-    @property
-    def links(self) -> dict[int, tuple[int, int]]:
-        """Trees: branch trajectory -> (parent trajectory, fork step)."""
-        return self.tree.links
 
     # -- writing --
     def write(self, chunk: dict) -> None:
