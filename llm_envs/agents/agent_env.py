@@ -304,7 +304,8 @@ def make_agent_env(agent: Callable, tasks: Sequence, tokenizer, *, tool_parser_n
         tokenizer: the policy's tokenizer, with a chat template (rendering ``tools=`` for tool use).
         tool_parser_name: the model's tool-call format (``"hermes"`` / ``"qwen2.5"``), a parser, or ``None``.
         reward_fn: ``reward_fn(messages, task) -> float`` used when the program returns ``None``.
-        time_limit: seconds an episode's program may run; past it the episode ends with an :class:`AgentError`.
+        time_limit: seconds of an episode program's own time (its wall time less the time its chat calls wait for
+            the model); past it the episode ends with an :class:`AgentError`.
         transport: ``"asgi"`` (in-process, default) or ``"http"`` (127.0.0.1, ``env.turns.runner.base_url``).
         temperature: the collector's sampling temperature: a call asking for another one is refused
             (``None``: not checked).

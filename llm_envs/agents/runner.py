@@ -54,6 +54,7 @@ class Episode:
         self.tools = None
         self.wants_log_probs = False  # the waiting call asked for logprobs
         self.reply: asyncio.Future | None = None
+        self.waited = 0.0  # seconds the program's calls waited for the model (not its own time)
         self.closed = False
         self.handle = None  # the program's concurrent.futures.Future
 
@@ -91,10 +92,16 @@ class Episode:
                     code="history_rewritten")  # fmt: skip
         self.reply = asyncio.get_running_loop().create_future()
         self.moves.put(("call", body))
+        asked = time.monotonic()
         try:
             return await self.reply
         finally:
             self.reply = None
+            self.waited += time.monotonic() - asked
+
+    def own_time(self, started: float) -> float:
+        """Seconds the program has run since ``started``, less the time its calls waited for the model."""
+        return time.monotonic() - started - self.waited
 
     # -- env thread --
     def next_move(self) -> tuple[str, object]:
@@ -119,7 +126,8 @@ class AgentRunner:
         agent: ``async def agent(client, task) -> reward`` (an ``openai.AsyncOpenAI`` client), or a plain function
             (an ``openai.OpenAI`` client, run in a worker thread; needs ``transport="http"``).
         transport: ``"asgi"`` (in-process, no port) or ``"http"`` (127.0.0.1, a bearer key per episode).
-        time_limit: seconds an episode's program may run (``None``: no limit).
+        time_limit: seconds of an episode program's own time (``None``: no limit): its wall time less the time its
+            chat calls wait for the model, whose pace is the batch's, not the program's.
         model: the model name the endpoint reports.
         temperature, max_turn_tokens, stop_strings: the env's settings requests are checked against.
         on_rewrite: ``"error"``: a call that does not continue its episode is refused.
@@ -195,7 +203,7 @@ class AgentRunner:
         import httpx
         import openai
 
-        timeout = httpx.Timeout(None if self.time_limit is None else self.time_limit + 5.0, connect=10.0)
+        timeout = httpx.Timeout(None, connect=10.0)  # a reply waits for the model: the time limit is the program's own
         if self.transport == "asgi":
             if self._http is None:
                 self._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), timeout=timeout)
@@ -210,15 +218,11 @@ class AgentRunner:
                 work = self.agent(client, ep.task)
             else:
                 work = asyncio.get_running_loop().run_in_executor(None, self.agent, client, ep.task)
-            value = await (work if self.time_limit is None else asyncio.wait_for(work, self.time_limit))
+            value = await (work if self.time_limit is None else self._within_limit(ep, work, started))
             ep.moves.put(("return", value))
         except asyncio.CancelledError:
             ep.moves.put(("error", RuntimeError("the env ended the episode")))
             raise
-        except TimeoutError:
-            if self.time_limit is not None and time.monotonic() - started >= self.time_limit:
-                err = AgentTimeout(f"ran past its time limit of {self.time_limit} s")
-            ep.moves.put(("error", err))
         except BaseException as err:  # noqa: BLE001 (the program's error ends its episode, reported by the env)
             ep.moves.put(("error", err))
         finally:
@@ -229,6 +233,29 @@ class AgentRunner:
                 close = client.close()
                 if inspect.isawaitable(close):
                     await close
+
+    async def _within_limit(self, ep: Episode, work, started: float):
+        """``await work``, cancelled with an :class:`AgentTimeout` once the program's own time passes the limit."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                waiting = ep.reply
+                if waiting is not None:  # the model's turn: the program's clock stands still
+                    await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    left = self.time_limit - ep.own_time(started)
+                    if left <= 0:
+                        break
+                    await asyncio.wait({task}, timeout=left)
+                if task.done():
+                    return task.result()
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise AgentTimeout(f"ran past its time limit of {self.time_limit} s (its own time: the time its calls "
+                           "waited for the model is not counted)")
 
     def close(self) -> None:
         """End every episode and stop the loop (and the HTTP endpoint)."""

@@ -290,24 +290,19 @@ def test_a_workers_prompt_error_ends_one_next_and_the_same_iterator_goes_on():
 
 
 @pytest.mark.parametrize(("mode", "batch_size"), [("steps", 3), ("trajectories", 4)])
-def test_metrics_have_every_key_before_the_first_batch(mode, batch_size):
-    with RayTokenCollector(make_env, make_policy, num_workers=2, mode=mode, batch_size=batch_size) as collector:
-        before = dict(collector.metrics)  # was {} until a round succeeded
-        assert before["workers"] == before["tokens"] == before["restarts"] == 0
-        next(iter(collector))
-        assert set(collector.metrics) == set(before) and collector.metrics["workers"] == 2
-
-
-@pytest.mark.parametrize(("mode", "batch_size"), [("steps", 3), ("trajectories", 4)])
-def test_metrics_have_a_token_collectors_keys(mode, batch_size):
-    """The workers send their counters (failed prompts, weight updates, prompt counts, the recorder's) and the
-    driver adds them up with the same metric function; it adds ``workers`` and ``restarts``."""
+def test_metrics_have_a_token_collectors_keys_from_the_start(mode, batch_size):
+    """Every key is there before the first batch (it was {} until a round succeeded). The workers send their
+    counters (failed prompts, weight updates, prompt counts, the recorder's) and the driver adds them up with the
+    same metric function; it adds ``workers`` and ``restarts``."""
     env = make_env()
     local = TokenCollector(env, make_policy(env), mode=mode, batch_size=batch_size)
     next(iter(local))
     with RayTokenCollector(make_env, make_policy, num_workers=2, mode=mode, batch_size=batch_size) as collector:
-        assert set(collector.metrics) == set(local.metrics) | {"workers", "restarts"}
+        before = dict(collector.metrics)
+        assert before["workers"] == before["tokens"] == before["restarts"] == 0
+        assert set(before) == set(local.metrics) | {"workers", "restarts"}
         next(iter(collector))
+        assert set(collector.metrics) == set(before) and collector.metrics["workers"] == 2
         collector.update_policy_weights_(tiny_model(tiny_tokenizer(), seed=1).state_dict())
         next(iter(collector))
         assert set(collector.metrics) == set(local.metrics) | {"workers", "restarts"}

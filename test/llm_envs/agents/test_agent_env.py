@@ -119,9 +119,7 @@ def test_agent_that_raises_or_hangs_ends_only_its_episode(tool_tokenizer, tool_m
 
     env = _env(tool_tokenizer, tool_model, agent, group_size=1, batch_size=2, time_limit=1.0, epochs=3)
     policy = TransformersPolicy(tool_model, env, sampling=GREEDY, return_raw_log_prob=True)
-    start = time.monotonic()
     batch, errors, collector = _collect_through_errors(env, policy, n=2, batches=3)
-    assert time.monotonic() - start < 30
     assert errors and all(isinstance(e.__cause__, AgentError) for e in errors)
     cause = str(errors[0].__cause__)
     assert "agent" in cause and "task 1" in cause and "the others go on" in cause, cause
