@@ -1,8 +1,10 @@
 """How tokens are generated (``tokengym.collectors.policies``): the policy protocols (:class:`TokenPolicy`, the
 base; :class:`StepPolicy` and :class:`WavePolicy`; one "fits this env" check, :func:`check_fits_env`) and their
-backends — transformers with a per-slot KV cache (steps and waves), vLLM in-process and on running
-servers (waves), the engine dialects behind the vLLM backends (:class:`WaveDialect`, :class:`ServerDialect`,
-:class:`EngineDialect`, in ``tokengym.collectors.policies.dialects``: what another engine implements), a policy
+backends — transformers with a per-slot KV cache (steps and waves), vLLM in-process, and a fleet of running
+servers of any engine (waves: :class:`ServerPolicy`; :class:`VLLMServerPolicy` is it with vLLM's dialect), the engine
+dialects (:class:`WaveDialect`, :class:`ServerDialect`, :class:`FleetDialect`, :class:`EngineDialect`, in
+``tokengym.collectors.policies.dialects``: what another engine implements; vLLM's and SGLang's
+:class:`SGLangServerDialect`), a policy
 stepped with a reference model, the sampler, the sequence actors the losses read, and LoRA (PEFT) models as
 policies (:class:`~tokengym.collectors.policies.AdaptersDisabled`, :func:`~tokengym.collectors.policies.adapter_weights`,
 :func:`~tokengym.collectors.policies.merged_weights`).
@@ -14,7 +16,13 @@ in ``tokengym.collectors``.
 from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies._vllm_dialect import VLLMEngineDialect, VLLMServerDialect
 from tokengym.collectors.policies._wave_core import WaveCore
-from tokengym.collectors.policies.dialects import EngineDialect, ServerDialect, WaveDialect, check_dialect
+from tokengym.collectors.policies.dialects import (
+    EngineDialect,
+    FleetDialect,
+    ServerDialect,
+    WaveDialect,
+    check_dialect,
+)
 from tokengym.collectors.policies.graph_decode import GraphDecode
 from tokengym.collectors.policies.kv_cache import SlotKVCache
 from tokengym.collectors.policies.lora import AdaptersDisabled, adapter_weights, merged_weights
@@ -38,6 +46,8 @@ from tokengym.collectors.policies.sequence_actor import (
     PaddedSequenceActor,
     SequenceActor,
 )
+from tokengym.collectors.policies.server_policy import ServerPolicy
+from tokengym.collectors.policies.sglang_dialect import SGLangServerDialect
 from tokengym.collectors.policies.shared_prefix_actor import SharedPrefixActor
 from tokengym.collectors.policies.static_kv_cache import StaticSlotKVCache
 from tokengym.collectors.policies.transformers_policy import TransformersPolicy
@@ -48,6 +58,7 @@ from tokengym.collectors.policies.vllm_server_policy import ServerOptions, VLLMS
 __all__ = [
     "AdaptersDisabled",
     "EngineDialect",
+    "FleetDialect",
     "GraphDecode",
     "ChunkedCategorical",
     "MaskedCategorical",
@@ -55,7 +66,9 @@ __all__ = [
     "PolicyWithReference",
     "RequestRejected",
     "SamplingConfig",
+    "SGLangServerDialect",
     "ServerDialect",
+    "ServerPolicy",
     "SequenceActor",
     "SharedPrefixActor",
     "SlotKVCache",

@@ -7,7 +7,7 @@ for a backend that cannot take adapters. An adapter reaches vLLM through a direc
 and ``adapter_config.json``, written to a temporary name and renamed, so it is never read half written) under a
 new adapter name per version: vLLM's prefix cache is keyed by the adapter, so a new name needs no cache reset.
 :class:`EngineAdapters` loads them into an in-process engine (``LoRARequest``), :class:`ServerAdapters` into
-running servers (``/v1/load_lora_adapter``, :mod:`._lora_servers`).
+running servers (the dialect's adapter calls, :mod:`._lora_servers`).
 
 Scope: plain LoRA on linear layers (what vLLM serves). DoRA, ``modules_to_save``, LoRA biases and adapted
 embeddings are refused with the fix (send :func:`~tokengym.collectors.policies.lora.merged_weights` to a policy
@@ -191,24 +191,23 @@ class AdapterTransport(DirectoryTransport):
         >>> import os
         >>> from peft import LoraConfig
         >>> spec = AdapterSpec.of(LoraConfig(r=2, target_modules=["q"]), {"q.weight": (4, 3)})
-        >>> transport = AdapterTransport(spec)
+        >>> transport = AdapterTransport(spec, reload=lambda h: [("/load_lora_adapter", {"lora_path": h})])
         >>> handle = transport.publish(list(spec.initial.items()), version=1)
         >>> sorted(os.listdir(handle)), transport.load_calls(handle)[0][0]
-        (['adapter_config.json', 'adapter_model.safetensors'], '/v1/load_lora_adapter')
+        (['adapter_config.json', 'adapter_model.safetensors'], '/load_lora_adapter')
         >>> transport.close()
+
+    ``reload``: the calls that load one adapter directory into a server (its dialect's ``adapter_calls``; ``None`` for
+    an engine in this process, which loads the directory itself).
     """
 
-    def __init__(self, spec: AdapterSpec, root=None, *, keep: int = 2) -> None:
-        super().__init__(root, keep=keep)
+    def __init__(self, spec: AdapterSpec, root=None, *, keep: int = 2, reload=None) -> None:
+        super().__init__(root, keep=keep, reload=reload)
         self.spec, self.prefix = spec, f"lora-{secrets.token_hex(4)}-v"
 
     def write(self, directory: Path, items: list[tuple[str, torch.Tensor]]) -> None:
         save_tensors(items, directory / "adapter_model.safetensors")
         self.spec.config.save_pretrained(str(directory))  # adapter_config.json
-
-    def load_calls(self, handle: str) -> list[tuple[str, dict]]:
-        # in place: a server that already holds this name (a revived one) loads it again instead of refusing
-        return [("/v1/load_lora_adapter", {"lora_name": Path(handle).name, "lora_path": handle, "load_inplace": True})]
 
 
 def lora_engine_kwargs(engine_kwargs: Mapping, lora) -> dict:

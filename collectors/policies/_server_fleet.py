@@ -7,9 +7,9 @@ unchanged (same seeds): each request gets exactly one answer. A request whose co
 answer is first sent once more to the same server (a connection the server was closing as it was reused is not
 a server that is down; one that is gone refuses the next connection and is marked down then). A 4xx answer is
 the request's fault and raises at once with the server's message. With no server left, :class:`NoServerError` names each
-server and its last failure. A server whose engine died (HTTP 500 naming vLLM's ``EngineCore``) is
-described so, with its log file when this process started it
-(:class:`~tokengym.collectors.policies.LocalVLLMServer`).
+server and its last failure. A server whose engine died (a 5xx answer the dialect's ``engine_died`` recognizes: vLLM's
+names its ``EngineCore``) is described so, with its log file when this process started it (the launchers' registry,
+:mod:`._server_logs`). Logs name the engine (``dialect.name``: "vLLM server ...", "SGLang server ...").
 
 Requests are streamed: each row's tokens and log-probs are kept as they arrive (the dialect folds each chunk into
 its answer). That is what lets a wave stop early and go on later (partial rollouts, :meth:`ServerFleet.complete`'s
@@ -44,6 +44,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import httpx
 
+from tokengym.collectors.policies._server_logs import server_log
 from tokengym.collectors.policies._server_options import (
     NoServerError,
     RequestRejected,
@@ -52,14 +53,12 @@ from tokengym.collectors.policies._server_options import (
     server_key,
 )
 from tokengym.collectors.policies.server_guard import KEY_VARIABLE
-from tokengym.collectors.policies.vllm_server import server_log
 
 __all__ = ["Server", "ServerFleet", "describe_answer"]
 
 _log = logging.getLogger(__name__)
 _RETRY_PAUSE_S = 1.0  # before a control call without side effects is sent again
 _ABORT_WAIT_S = 0.5  # for aborted streams to end before the requests still streaming are aborted again
-_ENGINE_DIED = ("EngineCore", "EngineDead")  # what vLLM's 500 answers say once its engine process failed
 
 
 @dataclasses.dataclass
@@ -133,12 +132,13 @@ def describe_answer(response: httpx.Response) -> str:
     return f"a {kind or 'non-JSON'} page of {len(response.content)} bytes"
 
 
-def engine_died(server_url: str, status: int, message: str) -> str | None:
-    """The reason to give for a 5xx answer that says the server's engine died, naming its log; else ``None``."""
-    if not any(word in message for word in _ENGINE_DIED):
+def engine_died(dialect, server_url: str, status: int, message: str) -> str | None:
+    """The reason to give for a 5xx answer that says the server's engine died (``dialect.engine_died``), naming its
+    log; else ``None``."""
+    if not dialect.engine_died(message):
         return None
     log = server_log(server_url)
-    where = f"its log {log}" if log is not None else "the vLLM server's output (its log)"
+    where = f"its log {log}" if log is not None else f"the {dialect.name} server's output (its log)"
     return (f"its engine died (HTTP {status}: {message[:160]}); the cause is in {where}; restart the server (the "
             "policy takes it back with the current weights)")
 
@@ -211,7 +211,7 @@ class ServerFleet:
             _log.warning("%s %s failed (%s: %s); sending it once more", method, url, type(err).__name__, err)
             await asyncio.sleep(_RETRY_PAUSE_S)
             response = await self._client.request(method, url, json=payload, timeout=timeout)
-        _raise_for_status(server, response)
+        _raise_for_status(self.dialect, server, response)
         return response.json() if response.content else None
 
     async def is_open(self, server: Server, path: str) -> bool:
@@ -231,8 +231,8 @@ class ServerFleet:
         moved = moving + len(server.attempts)
         live = [s.url for s in self.up()]
         where = f"go to {', '.join(live)}" if live else "wait: no server is left up"
-        _log.warning("vLLM server %s marked down: %s; %d request(s) in flight on it %s (it is tried again after "
-                     "%.0f s)", server.url, reason, moved, where, self.options.retry_down_after_s)  # fmt: skip
+        _log.warning("%s server %s marked down: %s; %d request(s) in flight on it %s (it is tried again after "
+                     "%.0f s)", self.dialect.name, server.url, reason, moved, where, self.options.retry_down_after_s)  # fmt: skip
         for attempt in list(server.attempts):
             attempt.cancel()
 
@@ -240,16 +240,16 @@ class ServerFleet:
         """Record that ``server`` loaded weights ``version`` (in ``seconds``)."""
         server.version = version
         self.counters["server_reloads"] += 1
-        _log.info("vLLM server %s reloaded weights version %d in %.2f s", server.url, version, seconds)
+        _log.info("%s server %s reloaded weights version %d in %.2f s", self.dialect.name, server.url, version, seconds)
 
     def missed(self, server: Server, version: int) -> None:
         """Warn (once while it stays down) that ``server`` is down and misses weights ``version``."""
         if server.has_missed_weights:
             return
         server.has_missed_weights = True
-        _log.warning("vLLM server %s is down (%s) and did not get weights version %d; it gets the current weights "
-                     "when it answers again (it is tried before a wave, every %.0f s)", server.url, _failure(server),
-                     version, self.options.retry_down_after_s)  # fmt: skip
+        _log.warning("%s server %s is down (%s) and did not get weights version %d; it gets the current weights "
+                     "when it answers again (it is tried before a wave, every %.0f s)", self.dialect.name, server.url,
+                     _failure(server), version, self.options.retry_down_after_s)  # fmt: skip
 
     def up(self) -> list[Server]:
         return [s for s in self.servers if s.is_up]
@@ -277,12 +277,13 @@ class ServerFleet:
             await self.revive(server)
         except (httpx.HTTPError, RequestRejected, OSError) as err:
             server.last_failure, server.down_since = f"still down: {_describe(err)}", time.monotonic()
-            _log.debug("vLLM server %s is still down: %s", server.url, _describe(err))
+            _log.debug("%s server %s is still down: %s", self.dialect.name, server.url, _describe(err))
             return
         server.is_up, server.has_missed_weights = True, False
         self.counters["server_revivals"] += 1
-        _log.info("vLLM server %s is back (it was down: %s); it holds weights version %d (brought back in %.2f s) and "
-                  "takes requests again", server.url, server.down_reason, server.version, time.monotonic() - start)  # fmt: skip
+        _log.info("%s server %s is back (it was down: %s); it holds weights version %d (brought back in %.2f s) and "
+                  "takes requests again", self.dialect.name, server.url, server.down_reason, server.version,
+                  time.monotonic() - start)  # fmt: skip
 
     # -- waves --
     def complete(self, payloads: list[dict], keys: list[Hashable | None], until: WaveStop | None = None) -> list:  # fmt: skip
@@ -359,7 +360,7 @@ class ServerFleet:
         if server is None or not server.is_up:
             live = self.up()
             if not live:
-                raise NoServerError(f"no vLLM server left to generate on ({self.failures()}); restart one (the "
+                raise NoServerError(f"no {self.dialect.name} server left to generate on ({self.failures()}); restart one (the "
                                     "policy takes it back with the current weights) and collect again: the collector "
                                     "can be checkpointed and resumed")  # fmt: skip
             server = min(live, key=lambda s: s.outstanding)
@@ -429,9 +430,9 @@ class ServerFleet:
             response = attempt.result()
             if response is not None:  # an error answer before the stream began
                 if response.status_code >= 500:
-                    self.mark_down(server, server_failure(server.url, response), moving=1)
+                    self.mark_down(server, server_failure(self.dialect, server.url, response), moving=1)
                     continue
-                _raise_for_status(server, response, row=i)
+                _raise_for_status(self.dialect, server, response, row=i)
             if self.dialect.finished(answer):
                 server.answered += 1
                 return
@@ -464,7 +465,7 @@ class ServerFleet:
         return None
 
 
-def _raise_for_status(server: Server, response: httpx.Response, *, row: int | None = None) -> None:
+def _raise_for_status(dialect, server: Server, response: httpx.Response, *, row: int | None = None) -> None:
     if response.status_code < 400:
         return
     path = response.request.url.path
@@ -479,14 +480,14 @@ def _raise_for_status(server: Server, response: httpx.Response, *, row: int | No
         where = "" if row is None else f" (wave row {row})"
         raise RequestRejected(f"{server.url} rejected {path}{where} with HTTP {response.status_code}: "
                               f"{describe_answer(response)}", status_code=response.status_code)  # fmt: skip
-    raise httpx.HTTPStatusError(f"{server.url}{path}: {server_failure(server.url, response)}",
+    raise httpx.HTTPStatusError(f"{server.url}{path}: {server_failure(dialect, server.url, response)}",
                                 request=response.request, response=response)  # fmt: skip
 
 
-def server_failure(url: str, response: httpx.Response) -> str:
+def server_failure(dialect, url: str, response: httpx.Response) -> str:
     """What a 5xx answer of the server at ``url`` says: its engine died (with its log), or the status and message."""
     message = describe_answer(response)
-    return engine_died(url, response.status_code, message) or f"HTTP {response.status_code}: {message}"
+    return engine_died(dialect, url, response.status_code, message) or f"HTTP {response.status_code}: {message}"
 
 
 def _failure(server: Server) -> str:

@@ -1,4 +1,4 @@
-"""Options and errors of :class:`~tokengym.collectors.policies.VLLMServerPolicy` (importable without an HTTP client)."""
+"""Options and errors of :class:`~tokengym.collectors.policies.ServerPolicy` (importable without an HTTP client)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ class RequestRejected(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
-    """Options of :class:`~tokengym.collectors.policies.VLLMServerPolicy`: timeouts, failover, where weights go."""
+    """Options of :class:`~tokengym.collectors.policies.ServerPolicy` (and ``VLLMServerPolicy``): timeouts, failover,
+    where weights go."""
 
     request_timeout_s: float = 600.0
     """Longest wait for one generation request; a server that takes longer is marked down."""
@@ -42,7 +43,8 @@ class ServerOptions:
     a temporary directory of this policy's own."""
     transport: object | None = None
     """A :class:`~tokengym.collectors.policies._server_weights.WeightTransport`; ``None``: safetensors files
-    in ``weights_dir`` reloaded through ``/collective_rpc`` (servers on this host or a shared filesystem)."""
+    in ``weights_dir`` that each server loads as its dialect says (vLLM: ``/collective_rpc``, SGLang:
+    ``/update_weights_from_disk``; servers on this host or a shared filesystem)."""
     checkpoint_dir: str | None = None
     """A local copy of the served model directory (its config and safetensors names and shapes check the
     weights you push); ``None``: the servers' model path, when it is a directory here."""

@@ -1,12 +1,12 @@
-"""How new weights reach running vLLM servers: a small pluggable transport, and the fleet's version lock.
+"""How new weights reach running servers: a small pluggable transport, and the fleet's version lock.
 
 A :class:`WeightTransport` makes a set of weights available to the servers (``publish``) and says which
 HTTP calls make one server load them (``load_calls``); the policy runs those calls on every server in
 parallel, then resets the prefix caches. The built-in :class:`DirectoryTransport` writes one safetensors
 file (to a temporary directory, then renamed, so a server never reads half a checkpoint) and asks each
-server to ``reload_weights`` from it (``POST /collective_rpc``, servers started with
-``VLLM_SERVER_DEV_MODE=1``). It needs the servers to see the directory: the same host, or a shared
-filesystem. A GPU fleet on several hosts would rather broadcast the tensors over NCCL (vLLM's weight
+server to load it with the calls its engine's dialect gives (``reload``: vLLM's ``POST /collective_rpc``
+``reload_weights``, SGLang's ``POST /update_weights_from_disk``). It needs the servers to see the directory: the same
+host, or a shared filesystem. A GPU fleet on several hosts would rather broadcast the tensors over NCCL (vLLM's weight
 transfer engines): such a transport goes here, behind the same two methods, and the policy is unchanged.
 
 :class:`FleetLock` keeps per-token policy versions exact when several processes (Ray workers) share the
@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -54,22 +55,29 @@ class DirectoryTransport:
         root: a directory the servers can read (and, for Ray workers sharing servers, the workers share);
             ``None``: a new temporary directory, removed by :meth:`close`.
         keep: versions kept on disk (older ones are removed once a newer one is written).
+        reload: ``reload(handle)``, the ``(path, json body)`` POSTs that make one server load the directory
+            ``handle`` (the engine's: its dialect's ``transport`` passes them); ``None``: a transport that only
+            writes (an engine in this process reads the files itself), whose :meth:`load_calls` refuses.
 
     Example:
         >>> import torch
-        >>> transport = DirectoryTransport()
+        >>> transport = DirectoryTransport(reload=lambda handle: [("/update_weights_from_disk", {"model_path": handle})])
         >>> handle = transport.publish([("w", torch.ones(2))], version=1)
         >>> sorted(os.listdir(handle)), transport.load_calls(handle)[0][0]
-        (['model.safetensors'], '/collective_rpc')
+        (['model.safetensors'], '/update_weights_from_disk')
         >>> transport.close()
     """
 
     prefix = "v"
     """Directory names are ``prefix`` then the version in 8 digits."""
 
-    def __init__(self, root: str | os.PathLike | None = None, *, keep: int = 2) -> None:
+    def __init__(self, root: str | os.PathLike | None = None, *, keep: int = 2,
+                 reload: Callable[[str], list[tuple[str, dict]]] | None = None) -> None:  # fmt: skip
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the current version stays on disk), got {keep!r}")
+        if reload is not None and not callable(reload):
+            raise TypeError(f"reload must be a function handle -> [(path, body)], got {type(reload).__name__}")
+        self.reload = reload
         self.is_owned = root is None
         self.root = Path(tempfile.mkdtemp(prefix="tokengym-weights-") if root is None else root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -102,7 +110,10 @@ class DirectoryTransport:
                 shutil.rmtree(old, ignore_errors=True)
 
     def load_calls(self, handle: str) -> list[tuple[str, dict]]:
-        return [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": handle}})]
+        if self.reload is None:
+            raise ValueError(f"this {type(self).__name__} was built without reload, so no server can be told to load "
+                             f"{handle}; build it with the engine's calls (the dialect's transport(root) does)")  # fmt: skip
+        return self.reload(handle)
 
     def close(self) -> None:
         if self.is_owned:

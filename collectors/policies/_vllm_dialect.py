@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies._vllm_requests import sampling_fields
@@ -27,12 +28,18 @@ _BANNED_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
 _ABORTED = "abort"  # the finish reason of a request stopped before its end (vLLM's FinishReason.ABORT)
 _RESET_TRIES = 50  # a prefix-cache reset refused while blocks are held is retried every 20 ms, then forced
 _INITIAL_WEIGHTS = "default"  # vLLM's weight version until one is set (``/update_weight_version``)
+_ENGINE_DIED = ("EngineCore", "EngineDead")  # what vLLM's 500 answers say once its engine process failed
+
+
+def _reload_calls(handle: str) -> list[tuple[str, dict]]:
+    """Reload the safetensors in directory ``handle`` through the server's workers."""
+    return [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": handle}})]
 
 
 class VLLMServerDialect:
     """vLLM's OpenAI-compatible server (``/v1/completions`` with token ids, ``VLLM_SERVER_DEV_MODE=1`` endpoints).
 
-    A :class:`~tokengym.collectors.policies.dialects.ServerDialect`. Every request is streamed under a request id of
+    A :class:`~tokengym.collectors.policies.dialects.FleetDialect`. Every request is streamed under a request id of
     its own; an abort names those ids (``POST /abort_requests``), so the server ends each stream with the tokens it
     generated, and a server shared with other clients stops only this fleet's requests. The weights a server holds
     are tagged with vLLM's weight version (``POST /update_weight_version``, read by ``GET /weight_info``).
@@ -124,24 +131,51 @@ class VLLMServerDialect:
         return dict(row, prompt=list(row["prompt"]) + ids, max_tokens=left)
 
     async def inspect(self, fleet, server, probe_ids: list[int]) -> dict:
-        from tokengym.collectors.policies._server_checks import inspect_server
+        from tokengym.collectors.policies._vllm_checks import inspect_server
 
         return await inspect_server(fleet, server, probe_ids)
 
     def check(self, answer: dict, env, *, is_unmodified: bool, model: str | None, sampling: SamplingConfig) -> None:
-        from tokengym.collectors.policies._server_checks import check_server
+        from tokengym.collectors.policies._vllm_checks import check_server
 
         check_server(answer, env, is_unmodified=is_unmodified, model=model, sampling=sampling)
 
     def check_fleet(self, answers: list[dict]) -> None:
         from tokengym.collectors.policies._server_checks import check_fleet
 
-        check_fleet(answers)
+        check_fleet(answers, self.name)
 
     def transport(self, root):
+        """Safetensors files that each server reloads through its workers (``POST /collective_rpc``
+        ``reload_weights``, ``VLLM_SERVER_DEV_MODE=1``)."""
         from tokengym.collectors.policies._server_weights import DirectoryTransport
 
-        return DirectoryTransport(root)
+        return DirectoryTransport(root, reload=_reload_calls)
+
+    # -- what the fleet policy adds (FleetDialect): engine failures, LoRA adapters --
+    adapter_hint = "--enable-lora --max-lora-rank {rank} (or more) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+
+    def engine_died(self, message: str) -> bool:
+        """vLLM's 500 answers name its ``EngineCore`` (or ``EngineDead``) once its engine process failed."""
+        return any(word in message for word in _ENGINE_DIED)
+
+    async def takes_adapters(self, fleet, server) -> bool:
+        """Whether ``/v1/load_lora_adapter`` exists (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``): a GET answers 405."""
+        try:
+            await fleet.call(server, "GET", "/v1/load_lora_adapter")
+        except RequestRejected as err:
+            if err.status_code == 401:
+                raise
+            return err.status_code == 405  # the route exists (it takes POST)
+        return True
+
+    def adapter_calls(self, handle: str) -> list[tuple[str, dict]]:
+        # in place: a server that already holds this name (a revived one) loads it again instead of refusing
+        return [("/v1/load_lora_adapter", {"lora_name": Path(handle).name, "lora_path": handle, "load_inplace": True})]
+
+    def name_adapter(self, row: dict, name: str) -> None:
+        """vLLM names the adapter of a request as its ``model``."""
+        row["model"] = name
 
     async def reset_cache(self, fleet, server) -> None:
         """Drop every cached prefix (KV computed under the old weights would be reused otherwise).

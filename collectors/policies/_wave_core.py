@@ -1,7 +1,7 @@
 """The core of every wave backend: one wave, one weight update and one collection state, whatever the engine.
 
 :class:`WaveCore` is what :class:`~tokengym.collectors.policies.VLLMPolicy` (an engine in this process) and
-:class:`~tokengym.collectors.policies.VLLMServerPolicy` (a fleet of servers) share; a backend adds its dialect
+:class:`~tokengym.collectors.policies.ServerPolicy` (a fleet of servers of any engine) share; a backend adds its dialect
 (``tokengym.collectors.policies.dialects``: what differs per engine) and the two hooks that reach its engine. What an
 update sends is decided once for every backend (:func:`weight_sync_of`, :func:`update_tensors`, :func:`full_items`): the full weights, a LoRA
 adapter (engines that take adapters), or the base checkpoint with the adapter merged (engines that do not).
@@ -17,9 +17,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 
+from tokengym.collectors.policies._checkpoints import read_checkpoint, weight_items
 from tokengym.collectors.policies._lora_sync import check_not_adapter
-from tokengym.collectors.policies._vllm_engine import read_checkpoint, weight_items
-from tokengym.collectors.policies._vllm_requests import (
+from tokengym.collectors.policies._wave_requests import (
     check_budgets,
     check_greedy,
     empty_result,

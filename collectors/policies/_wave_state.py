@@ -9,7 +9,7 @@ each hold one :class:`RequestSeeds`.
 
 from __future__ import annotations
 
-from tokengym.collectors.policies._vllm_requests import request_seeds
+from tokengym.collectors.policies._wave_requests import request_seeds
 
 __all__ = ["RequestSeeds"]
 

@@ -5,8 +5,9 @@ Every wave backend (an engine in this process, a fleet of servers) is one core
 the LoRA choice) and one dialect that speaks to the engine. A dialect turns a wave into the engine's requests and its
 answers back into token ids and log-probs, and knows the engine's endpoints, start-up checks, weight reload, cache
 reset and abort. vLLM's are :class:`~tokengym.collectors.policies.VLLMServerDialect` and
-:class:`~tokengym.collectors.policies.VLLMEngineDialect`; ``docs/guides/backends.md`` ("Writing an engine dialect")
-shows what another engine's needs.
+:class:`~tokengym.collectors.policies.VLLMEngineDialect`, SGLang's server is
+:class:`~tokengym.collectors.policies.SGLangServerDialect`; ``docs/guides/backends.md`` ("Writing an engine dialect")
+walks through the SGLang one.
 
 :func:`check_dialect` refuses, with a ``TypeError`` naming them, a dialect that lacks a member its protocol requires,
 before it reaches an engine.
@@ -20,7 +21,7 @@ from typing import Any, Generic, Protocol
 
 from tokengym.collectors.policies.sampling import SamplingConfig
 
-__all__ = ["EngineDialect", "ServerDialect", "WaveDialect", "check_dialect", "required_members"]
+__all__ = ["EngineDialect", "FleetDialect", "ServerDialect", "WaveDialect", "check_dialect", "required_members"]
 
 
 class WaveDialect(Protocol):
@@ -129,6 +130,32 @@ class ServerDialect(WaveDialect, Protocol):
         alone: the fleet asks again for the requests whose streams go on. False when the server cannot abort a
         request by its id: the fleet then closes their connections (what the server generated after the last token
         read is lost)."""
+
+
+class FleetDialect(ServerDialect, Protocol):
+    """What :class:`~tokengym.collectors.policies.ServerPolicy` asks of a server dialect beyond one server's API: how
+    the engine says it died, and how its servers take LoRA adapters (a policy built with ``lora=``; servers that take
+    none get the merged weights instead).
+    """
+
+    adapter_hint: str
+    """What a server needs to take LoRA adapters of rank ``{rank}`` (a format string: ``"--enable-lora
+    --max-lora-rank {rank} (or more)"``): named where some servers of a fleet take them and others do not, where they
+    take none and merged weights go instead, or where they cannot load the adapter."""
+
+    def engine_died(self, message: str) -> bool:
+        """Whether a 5xx answer whose message is ``message`` says the server's engine died (the fleet then names the
+        server's log, when this process started it)."""
+
+    async def takes_adapters(self, fleet, server) -> bool:
+        """Whether ``server`` loads LoRA adapters while it runs (``RequestRejected`` for a 401 goes up)."""
+
+    def adapter_calls(self, handle: str) -> list[tuple[str, dict]]:
+        """``(path, json body)`` of the POSTs that load the adapter directory ``handle`` into one server, under its
+        directory's name (again in place where the server holds that name already: a revived server)."""
+
+    def name_adapter(self, row: Any, name: str) -> None:
+        """Make request ``row`` (:meth:`row`) sample with the adapter loaded under ``name``."""
 
 
 class EngineDialect(WaveDialect, Protocol):

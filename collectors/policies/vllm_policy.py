@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 
+from tokengym.collectors.policies._checkpoints import checkpoint_shapes, read_checkpoint, tied_outputs
 from tokengym.collectors.policies._lora_sync import (
     AdapterSpec,
     EngineAdapters,
@@ -34,14 +35,7 @@ from tokengym.collectors.policies._lora_sync import (
     tensor_bytes,
 )
 from tokengym.collectors.policies._vllm_dialect import VLLMEngineDialect
-from tokengym.collectors.policies._vllm_engine import (
-    checkpoint_shapes,
-    import_vllm,
-    read_checkpoint,
-    start_engine,
-    stop_engine,
-    tied_outputs,
-)
+from tokengym.collectors.policies._vllm_engine import import_vllm, start_engine, stop_engine
 from tokengym.collectors.policies._vllm_requests import (
     check_head_size,
     check_logprobs_mode,

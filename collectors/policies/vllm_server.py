@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from tokengym.collectors.policies._server_logs import forget, register, server_log
 from tokengym.collectors.policies.server_guard import KEY_VARIABLE, MIDDLEWARE
 
 __all__ = ["CPU_KV_CACHE_BYTES", "LocalVLLMServer", "free_port", "root_cause", "server_command", "server_log"]
@@ -60,13 +61,6 @@ _KV_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
 _KV_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
 _LOG_PREFIX = re.compile(r"^\(\S+ pid=\d+\) (?:[A-Z]+ \S+ \S+ \[\S+\] )?")  # "(EngineCore pid=7) ERROR 11-24 17:37 [core.py:1] "
 _ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception)|\S+\.py: error): ")
-_RUNNING: dict[str, Path] = {}  # url -> log of the servers this process started and has not stopped
-
-
-def server_log(url: str) -> Path | None:
-    """The log file of the server at ``url`` if this process started it (:class:`LocalVLLMServer`) and it was not
-    stopped; ``None`` otherwise."""
-    return _RUNNING.get(url.rstrip("/"))
 
 
 def root_cause(log: str) -> str | None:
@@ -233,7 +227,7 @@ class LocalVLLMServer:
         with os.fdopen(fd, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env=env)  # fmt: skip
-        _RUNNING[self.url] = self.log_path
+        register(self.url, self.log_path)
         return self
 
     def wait(self) -> LocalVLLMServer:
@@ -287,8 +281,7 @@ class LocalVLLMServer:
         """Signal the server's whole process group (its engine core too); SIGKILL if it outlives ``timeout_s``.
         Its log is removed unless ``keep_log``."""
         process, self.process = self.process, None
-        if self.log_path is not None and _RUNNING.get(self.url) == self.log_path:
-            del _RUNNING[self.url]
+        forget(self.url, self.log_path)
         if process is None:
             self._remove_log()
             return
