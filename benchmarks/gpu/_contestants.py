@@ -298,8 +298,18 @@ def waves(job: Job):
     return lambda: int(next(batches).get(keys.MASK).sum())
 
 
+def waves_graph(job: Job):
+    """``waves`` on the policy's captured decode step (``decode="graph"``; ``"static"`` on the CPU): each wave one
+    replayed graph per token instead of ``model.generate``."""
+    env = job.env()
+    policy = job.policy(env, "graph" if job.device.type == "cuda" else "static")
+    batches = iter(TokenCollector(env, policy, source="wave", mode="trajectories", batch_size=job.B))
+    return lambda: int(next(batches).get(keys.MASK).sum())
+
+
 CONTESTANTS = {"graph loop": graph_loop, "hand loop": hand_loop, "stepwise": stepwise,
-               "stepwise graph": stepwise_graph, "generate": generate, "waves": waves}  # fmt: skip
+               "stepwise graph": stepwise_graph, "generate": generate, "waves": waves,
+               "waves graph": waves_graph}  # fmt: skip
 
 
 # -- measurements --

@@ -23,6 +23,7 @@ from tokengym.collectors.policies.prefix_store import DEFAULT_PREFIX_CACHE_BYTES
 from tokengym.collectors.policies.protocol import Weights, check_fits_env, weights_of
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
 from tokengym.collectors.policies.static_kv_cache import StaticSlotKVCache, static_capacity
+from tokengym.collectors.policies.static_waves import step_wave
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.devices import generator_device, input_device, output_device, seeded_generator
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
@@ -233,7 +234,10 @@ class TransformersPolicy(TensorDictModuleBase):
     # -- whole waves (generate-then-unroll) --
     @torch.no_grad()
     def generate(self, request: WaveRequest) -> WaveResult:
-        """One ``model.generate`` call continuing every sequence of ``request`` (left-padded).
+        """One ``model.generate`` call continuing every sequence of ``request`` (left-padded); with
+        ``decode="static"`` or ``"graph"`` the wave runs on the stepping path's fixed-shape step instead
+        (``static_waves.step_wave``: the same tokens for the same generator state
+        uncaptured, one replayed graph per token on CUDA).
 
         Sampling goes through the same :func:`sample_tokens` and generator as stepping, so a wave is
         token-for-token what stepping would produce from the same state. When :attr:`interrupt` is set the wave
@@ -246,6 +250,26 @@ class TransformersPolicy(TensorDictModuleBase):
             return WaveResult(actions=torch.zeros(n, 0, dtype=torch.int64), lengths=torch.zeros(n, dtype=torch.int64),
                               log_probs=torch.zeros(n, 0), version=self.version,
                               finished=torch.zeros(n, dtype=torch.bool))  # fmt: skip
+        if self.decode != "dynamic" and n <= self.env.batch_size[0]:  # the stepping path's fixed-shape step
+            actions, logp, raw = step_wave(self.cache, request, sampling=self.sampling, generator=self.generator,
+                                           with_raw=self.return_raw_log_prob, interrupt=self.interrupt, graph=self.graph,
+                                           pad_token_id=self.env.tokenizer.pad_token_id)  # fmt: skip
+        else:
+            actions, logp, raw = self._generate(request)
+        T = actions.shape[1]
+        is_eos = torch.isin(actions, torch.tensor(request.eos_token_ids, dtype=torch.int64))
+        first_eos = torch.where(is_eos, torch.arange(T), T).min(1).values
+        out_len = torch.minimum(torch.minimum(first_eos + 1, torch.full_like(first_eos, T)), request.max_new_tokens)
+        finished = None
+        if T < int(request.max_new_tokens.max()):  # stopped early: every row at an end id, or interrupted
+            finished = (first_eos < T) | (request.max_new_tokens <= T)
+            finished = None if bool(finished.all()) else finished
+        return WaveResult(actions=actions, lengths=out_len, log_probs=logp, raw_log_probs=raw,
+                          version=self.version, finished=finished)  # fmt: skip
+
+    def _generate(self, request: WaveRequest):
+        """``model.generate`` over the wave (left-padded): (actions, log-probs, raw log-probs) (n, T) on the host."""
+        n = len(request)
         lengths = torch.tensor([len(p) for p in request.prompts], dtype=torch.int64)
         width = int(lengths.max())
         prompts = torch.full((n, width), self.env.tokenizer.pad_token_id, dtype=torch.int64)
@@ -268,16 +292,7 @@ class TransformersPolicy(TensorDictModuleBase):
         raw = torch.stack(sampler.raw_log_probs, dim=1) if self.return_raw_log_prob else None
         if actions.device.type != "cpu":  # the wave's rows go to the host in one copy
             actions, logp, raw = _to_host(actions, logp, raw)
-        T = actions.shape[1]
-        is_eos = torch.isin(actions, torch.tensor(request.eos_token_ids, dtype=torch.int64))
-        first_eos = torch.where(is_eos, torch.arange(T), T).min(1).values
-        out_len = torch.minimum(torch.minimum(first_eos + 1, torch.full_like(first_eos, T)), request.max_new_tokens)
-        finished = None
-        if T < int(request.max_new_tokens.max()):  # stopped early: every row at an end id, or interrupted
-            finished = (first_eos < T) | (request.max_new_tokens <= T)
-            finished = None if bool(finished.all()) else finished
-        return WaveResult(actions=actions, lengths=out_len, log_probs=logp, raw_log_probs=raw,
-                          version=self.version, finished=finished)  # fmt: skip
+        return actions, logp, raw
 
     def _stops(self, request: WaveRequest) -> list[StoppingCriteria]:
         """What may stop a wave early: an interrupt (a weight update waits), enough rows finished (long tails)."""

@@ -87,3 +87,23 @@ def test_grown_buffers_are_captured_again(tokenizer, device):
     assert torch.equal(batch[keys.ACTION], want[0][keys.ACTION])
     if device == "cuda":
         assert policy.graph.captures == 1  # captured on the grown buffers only
+
+
+def test_waves_on_the_captured_step_give_the_uncaptured_waves(tokenizer, device):
+    """Waves (source="wave") run on the policy's fixed-shape step: captured, every wave filling the env's slots, they
+    give the uncaptured step's tokens (on the CPU: the static step's waves give generate's)."""
+    model = tiny_model(tokenizer, seed=0).to(device)
+    fast, reference = DECODES[device]
+    batches = {}
+    for decode in (reference, fast):
+        env = TokenEnv(PROMPTS, tokenizer, _reward, batch_size=4, group_size=2, max_new_tokens=20, max_length=40,
+                       model_config=model.config)  # fmt: skip
+        policy = TransformersPolicy(model, env, seed=0, decode=decode, return_raw_log_prob=True)
+        it = iter(TokenCollector(env, policy, mode="trajectories", batch_size=4, source="wave"))
+        batches[decode] = [next(it) for _ in range(2)]
+    for a, b in zip(batches[reference], batches[fast], strict=True):
+        assert torch.equal(a[keys.ACTION], b[keys.ACTION])
+        for key in (keys.ACTION_LOG_PROB, keys.RAW_LOG_PROB):
+            torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0)
+    if device == "cuda":
+        assert policy.graph.captures == 1

@@ -110,3 +110,66 @@ def test_bad_decode_settings_are_refused_by_name(tokenizer, model):
         TransformersPolicy(model, env, decode="graph")
     with pytest.raises(ValueError, match=r"capacity must be an int >= 2 .*got 1"):
         StaticSlotKVCache(model, 2, capacity=1)
+
+
+def _wave_collect(tok, model, env_kind, decode, *, batches=2, options=None, seed=0):
+    env = ENVS[env_kind](tok, model.config)
+    policy = TransformersPolicy(model, env, seed=seed, decode=decode, return_raw_log_prob=True)
+    collector = TokenCollector(env, policy, mode="trajectories", batch_size=4, source="wave", options=options)
+    it = iter(collector)
+    return [next(it) for _ in range(batches)], policy
+
+
+@pytest.mark.parametrize("env_kind", ["groups", "multi_turn"])
+def test_waves_on_the_static_step_sample_what_generate_does(tokenizer, model, env_kind):
+    dynamic, _ = _wave_collect(tokenizer, model, env_kind, "dynamic")
+    static, policy = _wave_collect(tokenizer, model, env_kind, "static")
+    _assert_same(dynamic, static)
+    assert isinstance(policy.cache, StaticSlotKVCache)
+    for batch in static:  # and each token's log-prob is the model's, teacher-forced
+        torch.testing.assert_close(policy.teacher_forced_log_probs(batch), batch[keys.ACTION_LOG_PROB], atol=1e-5,
+                                   rtol=0)  # fmt: skip
+
+
+def test_a_static_wave_with_mixed_budgets_and_long_tails_left_to_the_next_wave(tokenizer, model):
+    from tokengym.llm_envs.waves import WaveRequest
+
+    env = ENVS["groups"](tokenizer, model.config)
+    prompts = [torch.tensor(tokenizer(p)["input_ids"]) for p in ("1+1=", "1+1=", "hi there", "count")]
+    request = WaveRequest(slots=torch.arange(4), prompts=prompts, max_new_tokens=torch.tensor([3, 9, 1, 6]),
+                          eos_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+    results = {}
+    for decode in ("dynamic", "static"):
+        policy = TransformersPolicy(model, env, seed=5, decode=decode, return_raw_log_prob=True)
+        results[decode] = policy.generate(request)
+        # the static policy ran the wave on its cache's first rows (ids no env trajectory has), not model.generate
+        assert bool((policy.cache.traj[:4] < -1).all()) == (decode == "static")  # -1: a row never filled
+    want, got = results["dynamic"], results["static"]
+    assert torch.equal(want.lengths, got.lengths) and (got.lengths <= request.max_new_tokens).all()
+    for i, n in enumerate(got.lengths.tolist()):
+        assert torch.equal(want.actions[i, :n], got.actions[i, :n])
+        torch.testing.assert_close(want.log_probs[i, :n], got.log_probs[i, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(want.raw_log_probs[i, :n], got.raw_log_probs[i, :n], atol=1e-5, rtol=0)
+    assert got.actions.shape[1] <= int(request.max_new_tokens.max())
+
+    # two rows ended: the wave stops there, the others come back unfinished with what they have
+    policy = TransformersPolicy(model, env, seed=5, decode="static")
+    early = policy.generate(WaveRequest(slots=request.slots, prompts=prompts, max_new_tokens=torch.tensor([2, 9, 1, 9]),
+                                        eos_token_ids=(), min_finished=2))  # fmt: skip
+    assert early.actions.shape[1] == 2 and early.finished.tolist() == [True, False, True, False]
+    assert early.lengths.tolist() == [2, 2, 1, 2]
+
+
+def test_an_interrupt_stops_a_static_wave_and_the_rows_go_on_in_the_next(tokenizer, model):
+    options = CollectorOptions(over_sampling=True)
+    dynamic, _ = _wave_collect(tokenizer, model, "groups", "dynamic", options=options)
+    static, policy = _wave_collect(tokenizer, model, "groups", "static", options=options)
+    _assert_same(dynamic, static)  # long tails left to the next wave, as generate leaves them
+    from tokengym.llm_envs.waves import WaveRequest
+
+    prompts = [torch.tensor(tokenizer("1+1=")["input_ids"])] * 2
+    policy.interrupt.set()
+    stopped = policy.generate(WaveRequest(slots=torch.arange(2), prompts=prompts, max_new_tokens=torch.tensor([5, 5]),
+                                          eos_token_ids=()))  # fmt: skip
+    assert stopped.actions.shape[1] == 0 and stopped.finished.tolist() == [False, False]
+    policy.interrupt.clear()
