@@ -65,10 +65,10 @@ def step_wave(cache: StaticSlotKVCache, request: WaveRequest, *, sampling: Sampl
         else:
             logits = cache.decode(feed, live)[:n]
             action, logp, raw = sample_tokens(logits, sampling, generator, with_raw_log_prob=with_raw)
-        actions.append(action)
+        host = action.cpu()  # the step's one synchronization: which rows ended (and the ids the wave returns)
+        actions.append(host)
         log_probs.append(logp)
         raws.append(raw)
-        host = action.cpu()  # the step's one synchronization: which rows ended
         ended |= torch.isin(host, eos) | (budget <= step + 1)
         live[:n] = ~ended
         feed[:n] = host
@@ -76,5 +76,4 @@ def step_wave(cache: StaticSlotKVCache, request: WaveRequest, *, sampling: Sampl
             break
         if request.min_finished is not None and int(ended.sum()) >= request.min_finished:
             break
-    actions_t, logp_t = torch.stack(actions, 1).cpu(), torch.stack(log_probs, 1).cpu()
-    return actions_t, logp_t, torch.stack(raws, 1).cpu() if with_raw else None
+    return torch.stack(actions, 1), torch.stack(log_probs, 1).cpu(), torch.stack(raws, 1).cpu() if with_raw else None
