@@ -19,6 +19,7 @@ from tensordict import TensorDictBase
 
 from tokengym.llm_envs import keys
 from tokengym.transforms import WeightedLoss
+from tokengym.transforms.batch_statistics import all_reduce_floats
 
 __all__ = ["MicroBatch", "micro_batches", "mini_batch_rows", "trainer_mode"]
 
@@ -58,18 +59,20 @@ def _token_mask(data: TensorDictBase) -> torch.Tensor:
     return torch.ones(data.batch_size, dtype=torch.bool, device=data.device)
 
 
-def check_micro_batchable(loss: torch.nn.Module) -> None:
-    """Refuse a loss whose value on a micro-batch cannot be scaled into the whole batch's (batch statistics)."""
+def check_micro_batchable(loss: torch.nn.Module, parts: str = "micro-batches") -> None:
+    """Refuse a loss whose value on a micro-batch (or on one rank's rows: ``parts="ranks"``) cannot be scaled into the
+    whole batch's (batch statistics)."""
     inner = _inner(loss)
+    without = "train without micro-batches" if parts == "micro-batches" else "train in one process"
     if getattr(inner, "normalize_advantage", False):
         raise ValueError(f"{type(inner).__name__}(normalize_advantage=True) whitens the advantage over the batch it is "
-                         "called on, so micro-batches would each use their own statistics: normalize the advantage "
+                         f"called on, so {parts} would each use their own statistics: normalize the advantage "
                          "in the batch transform instead (GroupAdvantage('grpo') does) and build the loss with "
-                         "normalize_advantage=False, or train without micro-batches")  # fmt: skip
+                         f"normalize_advantage=False, or {without}")  # fmt: skip
     if (getattr(inner, "kl_mask_threshold", None) or 0) > 0:
         raise ValueError(f"{type(inner).__name__}(kl_mask_threshold=...) masks tokens by their current log-probs, so "
-                         "the whole batch's token count is not known before the micro-batches run: train without "
-                         "micro-batches, or drop kl_mask_threshold")  # fmt: skip
+                         f"the whole batch's token count is not known before the {parts} run: {without}, or drop "
+                         "kl_mask_threshold")  # fmt: skip
 
 
 def _loss_masks(inner: torch.nn.Module, data: TensorDictBase) -> torch.Tensor | None:
@@ -117,6 +120,17 @@ def normalizer(loss: torch.nn.Module, data: TensorDictBase) -> float:
     return float(data.batch_size.numel() if found is None else found.sum())
 
 
+def _sums(loss: torch.nn.Module) -> bool:
+    """Whether ``loss`` sums its terms (no normalizer: every part adds up)."""
+    return not isinstance(loss, WeightedLoss) and getattr(_inner(loss), "reduction", "mean") == "sum"
+
+
+def _counts_elements(loss: torch.nn.Module, data: TensorDictBase) -> bool:
+    """Whether :func:`normalizer` counts every (row, column) of ``data`` (a mean without a mask), padding included."""
+    inner = _inner(loss)
+    return not (isinstance(loss, WeightedLoss) or _sums(loss) or _is_grpo(inner)) and _loss_masks(inner, data) is None
+
+
 def _row_widths(data: TensorDictBase) -> torch.Tensor:
     """int64 [N]: the columns each row needs (up to its last valid column)."""
     valid = data.get(keys.ATTENTION_MASK, None)
@@ -158,26 +172,45 @@ def _groups_of_rows(rows: torch.Tensor, widths: torch.Tensor, budget_rows: int |
 
 
 def micro_batches(data: TensorDictBase, loss: torch.nn.Module, rows: torch.Tensor | None = None, *,
-                  max_rows: int | None = None, max_tokens: int | None = None) -> list[MicroBatch]:  # fmt: skip
+                  max_rows: int | None = None, max_tokens: int | None = None,
+                  across_ranks: bool = False) -> list[MicroBatch]:  # fmt: skip
     """The micro-batches of ``data[rows]`` (all rows by default) and their shares (summing to 1 over a batch with any
-    token). Without ``max_rows`` and ``max_tokens``: one micro-batch, share 1."""
-    if max_rows is None and max_tokens is None:
+    token). Without ``max_rows`` and ``max_tokens``: one micro-batch, share 1.
+
+    ``across_ranks``: ``data`` is one rank's part of a batch spread over the ranks of the process group (each calls
+    this together): the shares are of every rank's whole batch (the normalizer summed over the ranks, the padded
+    width their widest), so the ranks' micro-batches sum to the one-process gradient of the union batch."""
+    split = max_rows is not None or max_tokens is not None
+    if not split and not across_ranks:
         return [MicroBatch(data if rows is None else _take(data, rows), 1.0, 1.0)]
     if rows is None:
         rows = torch.arange(data.batch_size[0])
     if data.batch_dims != 2:
-        raise ValueError(f"micro-batches split a batch of rows [N, T] or a padded layout [N, L], got batch_size "
-                         f"{tuple(data.batch_size)}")  # fmt: skip
-    check_micro_batchable(loss)
+        raise ValueError(f"micro-batches {'and ranks ' if across_ranks else ''}split a batch of rows [N, T] or a "
+                         f"padded layout [N, L], got batch_size {tuple(data.batch_size)}")  # fmt: skip
+    check_micro_batchable(loss, "micro-batches" if split else "ranks")
     widths = _row_widths(data).cpu()
-    parts = [_take(data, part) for part in _groups_of_rows(rows, widths, max_rows, max_tokens)]
+    groups = _groups_of_rows(rows, widths, max_rows, max_tokens) if split else [rows]
+    parts = [_take(data, part) for part in groups]
     whole = _take(data, rows)
     total, elements = normalizer(loss, whole), whole.batch_size.numel()
+    if across_ranks:
+        total_sum, n_rows = all_reduce_floats([total, whole.batch_size[0]])
+        # the union batch's rows x its width: a padded layout's prompts left-padded to the longest prompt of any rank
+        # and its responses right-padded to the longest response (keys.RESPONSE_START: P)
+        start = whole.get_non_tensor(keys.RESPONSE_START) if keys.RESPONSE_START in whole.keys() else 0
+        start = start if isinstance(start, int) else 0
+        prompt, response = all_reduce_floats([start, whole.batch_size[1] - start], op="max")
+        elements = n_rows * (prompt + response)
+        total = elements if _counts_elements(loss, whole) else total_sum
     out = []
     for part in parts:
         size = normalizer(loss, part)
-        share = 1.0 if total == 1.0 and size == 1.0 else (size / total if total else 0.0)  # a sum: each adds up
-        out.append(MicroBatch(part, share, part.batch_size.numel() / elements))
+        if across_ranks:
+            share = 1.0 if _sums(loss) else (size / total if total else 0.0)
+        else:
+            share = 1.0 if total == 1.0 and size == 1.0 else (size / total if total else 0.0)  # a sum: each adds up
+        out.append(MicroBatch(part, share, part.batch_size.numel() / elements if elements else 0.0))
     return out
 
 

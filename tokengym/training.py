@@ -4,15 +4,18 @@ and the check of a batch against a loss (:func:`check_loss_inputs`) that it runs
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping
 
 import torch
 from tensordict import TensorDictBase
 
+from tokengym import _ranks
 from tokengym._loss_checks import check_loss_inputs
 from tokengym._micro_batches import micro_batches, mini_batch_rows, trainer_mode
 from tokengym.collectors import AsyncCollector
 from tokengym.collectors.policies.protocol import weights_of
+from tokengym.transforms.batch_statistics import across_ranks, all_reduce_floats
 
 __all__ = ["TrainOptions", "check_loss_inputs", "train", "train_step"]
 
@@ -130,18 +133,18 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     _check_async_copy(collector, params)
     if weights is None:
         _check_trained_in_place(collector, params)
+    across = _ranks.group_is_up()
+    if across:  # the first collective: the same error on every rank where their setups differ
+        _ranks.check_same_setup(_setup(collector, loss, optimizer, iterations, options, prepare, weights))
+        _check_not_sampling_sharded(collector, loss)
     rows: list[dict] = []
     modes = {module: module.training for module in loss.modules()}  # left as found (train/eval)
+    batches = iter(collector)
     try:
-        for i, batch in enumerate(collector):
-            if batch is None:
-                raise TypeError("the collector yielded None (it writes to a sink); train() needs the batches: drop sink=")
-            data = batch if prepare is None else prepare(batch)
-            if device is not None:
-                data = data.to(device)  # one copy of the prepared batch (its non-tensor prompt table travels as it is)
-            # the layout, actor, advantage and loss weights the loss reads, named before TorchRL's own errors; on every
-            # batch (a few key lookups), as loss weights may first appear later (AsyncCollector(stale_tokens="mask"))
-            check_loss_inputs(data, loss)
+        for i in itertools.count():
+            data = _next_prepared(batches, prepare, device, loss, across)
+            if data is None:
+                break
             scalars = train_step(data, loss, optimizer, options=options, scheduler=scheduler)
             loss.eval()  # the policy may generate with the trained model: no dropout while collecting
             sent = None if weights is None else weights()  # None: trained in place
@@ -149,8 +152,11 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                 _check_weights_sent(sent, collector, params)
             collector.update_policy_weights_(sent)
             m, nan = collector.metrics, float("nan")
-            rows.append({"iter": i, "reward": m["mean_reward"], "kl": m.get("kl", nan), "beta": m.get("beta", nan),
-                         "tokens_per_s": m["tokens_per_s"], **scalars})  # fmt: skip
+            row = {"iter": i, "reward": m["mean_reward"], "kl": m.get("kl", nan), "beta": m.get("beta", nan),
+                   "tokens_per_s": m["tokens_per_s"], **scalars}  # fmt: skip
+            if across:  # the global row on every rank (each rank's batch has as many rows): rank 0 logs it
+                row = _ranks.global_row(row, mean=("reward", "kl", "beta"), total=("tokens_per_s",))
+            rows.append(row)
             if on_iteration is not None:
                 on_iteration(rows[-1], data)
             if i + 1 >= iterations:
@@ -159,6 +165,42 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         for module, was_training in modes.items():
             module.train(was_training)
     return rows
+
+
+_ENDED = object()
+
+
+def _next_prepared(batches, prepare, device, loss, across: bool) -> TensorDictBase | None:
+    """The next batch, prepared, on ``device`` and checked against the loss; None once the collector ended. Across
+    ranks every rank learns whether each rank got one: all stop when one ended, all raise when one failed."""
+    batch, data = _ENDED, None
+    try:
+        # batch statistics (whitening, a KL controller's measure) over every rank's rows: in the collector's postproc
+        # (run as it yields) and in prepare
+        with across_ranks():
+            batch = next(batches, _ENDED)
+        if batch is None:
+            raise TypeError("the collector yielded None (it writes to a sink); train() needs the batches: drop sink=")
+        if batch is not _ENDED:
+            with across_ranks():
+                data = batch if prepare is None else prepare(batch)
+            if device is not None:
+                data = data.to(device)  # one copy of the prepared batch (its non-tensor prompt table travels as it is)
+            # the layout, actor, advantage and loss weights the loss reads, named before TorchRL's own errors; on every
+            # batch (a few key lookups), as loss weights may first appear later (AsyncCollector(stale_tokens="mask"))
+            check_loss_inputs(data, loss)
+    except Exception:
+        if across:
+            all_reduce_floats([2.0], op="max")  # 2: failed; the other ranks raise too instead of waiting for this one
+        raise
+    if across:
+        (worst,) = all_reduce_floats([1.0 if batch is _ENDED else 0.0], op="max")  # 1: ended
+        if worst == 2:
+            raise RuntimeError("train(): another rank failed while collecting or preparing its batch (its error and "
+                               "traceback are in that rank's output); this rank stops too")  # fmt: skip
+        if worst == 1:
+            return None
+    return data
 
 
 def train_step(data: TensorDictBase, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -205,13 +247,19 @@ def train_step(data: TensorDictBase, loss: torch.nn.Module, optimizer: torch.opt
     if options.mini_batches > n:
         raise ValueError(f"mini_batches={options.mini_batches} is more than the batch's {n} rows: use at most {n}")
     shuffle = torch.Generator().manual_seed(int(torch.randint(2**62, ())))  # from torch's seed: reproducible runs
+    across = _ranks.group_is_up()  # under torchrun: this rank's rows are its part of the union batch
+    shards = _ranks.sharded(loss) if across else []
     with trainer_mode(loss, gradient_checkpointing=options.gradient_checkpointing):
         for _ in range(options.epochs):
             rows = [None] if options.mini_batches == 1 else mini_batch_rows(n, options.mini_batches, shuffle)
             epoch: list[dict[str, float]] = []
             for part in rows:
                 optimizer.zero_grad()
-                epoch.append(_accumulate(data, loss, part, split))
+                found = _accumulate(data, loss, part, split, across=across, padded=bool(shards))
+                if across:  # the union batch's gradient (an unsharded model's; FSDP2 summed its own) and scalars
+                    _ranks.reduce_gradients(params)
+                    found = dict(zip(sorted(found), all_reduce_floats([found[k] for k in sorted(found)]), strict=True))
+                epoch.append(found)
                 if options.max_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(params, options.max_grad_norm)
                 optimizer.step()
@@ -220,20 +268,55 @@ def train_step(data: TensorDictBase, loss: torch.nn.Module, optimizer: torch.opt
     return {key: sum(row[key] for row in epoch) / len(epoch) for key in epoch[0]}
 
 
-def _accumulate(data: TensorDictBase, loss: torch.nn.Module, rows, split: dict) -> dict[str, float]:
-    """Backward over the micro-batches of ``data[rows]``; the whole (mini-)batch's loss and scalars."""
+def _accumulate(data: TensorDictBase, loss: torch.nn.Module, rows, split: dict, *, across: bool = False,
+                padded: bool = False) -> dict[str, float]:  # fmt: skip
+    """Backward over the micro-batches of ``data[rows]``; the whole (mini-)batch's loss and scalars (across ranks:
+    this rank's part of the union batch's, and as many micro-batches as the rank with most where ``padded``)."""
     found: dict[str, float] = {}
-    for part in micro_batches(data, loss, rows, **split):
+    parts = micro_batches(data, loss, rows, **split, across_ranks=across)
+    gain = 1.0  # FSDP2's reduce-scatter averages the ranks' gradients: their sum is the union batch's
+    if padded:
+        parts = _ranks.pad_micro_batches(parts, lambda part: part._replace(share=0.0, element_share=0.0))
+        gain = float(torch.distributed.get_world_size())
+    for part in parts:
         out = loss(part.data)
         names = _loss_terms(out)
         total = sum(out.get(name) * part.scale(loss, name) for name in names)
-        total.backward()
+        (total if gain == 1.0 else total * gain).backward()
         found["loss"] = found.get("loss", 0.0) + float(total.detach())
         for key, value in out.items():
             if isinstance(value, torch.Tensor) and value.ndim == 0:  # (ClipPPOLoss's ESS is per step: left out)
                 scale = part.scale(loss, key) if key in names else part.share
                 found[key] = found.get(key, 0.0) + float(value.detach()) * scale
     return found
+
+
+def _setup(collector, loss, optimizer, iterations, options, prepare, weights) -> dict[str, object]:
+    """What every rank must share for its step to be its part of one step (compared across the ranks)."""
+    env = getattr(collector, "env", None)
+    env = getattr(env, "base_env", env)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "collector": type(collector).__name__, "batch_size": getattr(collector, "batch_size", None),
+        "mode": str(getattr(collector, "mode", None)), "env": type(env).__name__,
+        "env group_size": getattr(env, "group_size", None), "env max_new_tokens": getattr(env, "max_new_tokens", None),
+        "env slots": tuple(getattr(env, "batch_size", ())), "loss": type(loss).__name__,
+        "optimizer": type(optimizer).__name__, "trained parameters": len(params),
+        "trained shapes": hash(tuple(tuple(p.shape) for p in params)), "iterations": iterations,
+        "options": dataclasses.astuple(options), "prepare": type(prepare).__name__, "weights": weights is None,
+    }  # fmt: skip
+
+
+def _check_not_sampling_sharded(collector, loss) -> None:
+    """A policy generating with an FSDP2-sharded model gathers its parameters in every decode step, a collective that
+    the ranks (stepping their own slots) would enter different numbers of times."""
+    model = _generator(collector)
+    if model is not None and _ranks.sharded(model):
+        raise ValueError(f"the collector's policy generates with an FSDP2-sharded {type(model).__name__} "
+                         "(fully_shard): every forward gathers its parameters across the ranks, which step their "
+                         "slots independently. Build the policy on an unsharded copy of the model, shard the trained "
+                         "one (tokengym.distributed.shard_model) and send its full weights after each step: "
+                         "train(..., weights=lambda: tokengym.distributed.full_state_dict(model))")  # fmt: skip
 
 
 def _generator(collector) -> torch.nn.Module | None:

@@ -13,6 +13,7 @@ from tokengym.transforms.advantages import (
     discounted_returns,
     masked_whiten,
 )
+from tokengym.transforms.batch_statistics import across_ranks, all_reduce_floats, sum_across_ranks
 from tokengym.transforms.decoding import decode
 from tokengym.transforms.filtering import (
     ClipFilterLikeWeights,
@@ -57,6 +58,9 @@ from tokengym.transforms.weighted_loss import LossAggregation, WeightedLoss
 
 __all__ = [
     "decode",
+    "across_ranks",
+    "all_reduce_floats",
+    "sum_across_ranks",
     "SequenceLayout",
     "SharedPrefixLayout",
     "TokenScorer",

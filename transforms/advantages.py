@@ -32,6 +32,7 @@ from tokengym.transforms._checks import (
     sequence_index,
     squeeze_last,
 )
+from tokengym.transforms.batch_statistics import sum_across_ranks
 
 __all__ = ["AdvantageEstimator", "MaskedSteps", "GAEAdvantage", "DiscountedReturns", "discounted_returns",
            "masked_whiten"]  # fmt: skip
@@ -76,7 +77,8 @@ class MaskedSteps(StrEnum):
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     """``(x - mean) / (std + eps)`` over the entries where ``mask`` is True; 0 elsewhere.
 
-    Mean and std are float64, so equal values whiten to exactly 0.
+    Mean and std are float64, so equal values whiten to exactly 0. Inside :func:`~tokengym.train` under
+    ``torch.distributed`` (:func:`~tokengym.transforms.across_ranks`) they are every rank's rows'.
 
     Example:
         >>> out = masked_whiten(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([True, True, False]))
@@ -86,10 +88,11 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-6) -> 
     if x.shape != mask.shape:
         raise ValueError(f"x and mask must share a shape, got {tuple(x.shape)} and {tuple(mask.shape)}")
     x64 = x.double()
-    n = mask.sum()
-    mean = (x64 * mask).sum() / n.clamp(min=1)
+    total, n = sum_across_ranks((x64 * mask).sum(), mask.sum())  # every rank's rows inside train() under torchrun
+    mean = total / n.clamp(min=1)
     centred = x64 - mean
-    var = (centred.square() * mask).sum() / (n - 1).clamp(min=1)
+    (squares,) = sum_across_ranks((centred.square() * mask).sum())
+    var = squares / (n - 1).clamp(min=1)
     out = torch.where(var > 0, centred / (var.sqrt() + eps), torch.zeros_like(centred))
     return torch.where(mask, out, torch.zeros_like(out)).to(x.dtype)
 

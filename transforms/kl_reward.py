@@ -18,6 +18,7 @@ from tokengym.transforms._checks import (
     squeeze_last,
     valid_mask,
 )
+from tokengym.transforms.batch_statistics import sum_across_ranks
 from tokengym.transforms.kl_control import ConstantKLController, KLController
 from tokengym.transforms.sequences import step_log_probs
 
@@ -223,11 +224,13 @@ class KLRewardTransform(BatchTransform):
         seq, _, num = sequence_index(td, type(self).__name__)
         valid = seq >= 0
         per_seq = torch.zeros(num, dtype=torch.float32, device=kl.device).index_add_(0, seq[valid], kl[valid])
-        mean_kl = float(per_seq.mean()) if num else 0.0
-        tokens = int(mask.sum())
-        self._metrics = {"kl": mean_kl, "beta": self.beta, "kl_per_token": float(kl.sum()) / max(tokens, 1)}
-        if num:
-            self.controller.update(mean_kl, num)
+        # every rank's sequences inside train() under torchrun (across_ranks), so each rank's controller moves alike
+        kl_sum, seqs, kl_total, tokens = (float(v) for v in sum_across_ranks(
+            per_seq.sum(), torch.tensor(num), kl.sum(), mask.sum()))  # fmt: skip
+        mean_kl = kl_sum / seqs if seqs else 0.0
+        self._metrics = {"kl": mean_kl, "beta": self.beta, "kl_per_token": kl_total / max(tokens, 1)}
+        if seqs:
+            self.controller.update(mean_kl, int(seqs))
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         """Inside a TransformedEnv: shape each step's reward from ``keys.REF_LOG_PROB`` in the step data."""
