@@ -58,4 +58,3 @@ def test_learns_fixed_first_token(tokenizer):
     print(f"start {rewards[:3]} end {rewards[-3:]} after {len(rewards)} iterations, {elapsed:.1f} s")
     assert sum(rewards[:2]) / 2 < 0.2  # the untrained policy rarely says it
     assert sum(rewards[-3:]) / 3 > 0.8, rewards
-    assert elapsed < 30
