@@ -512,3 +512,57 @@ def train_step_memory(model, device: torch.device, rows: int, new_tokens: int, *
         model.eval()
         del optimizer
     return {"s": seconds, "peak_above_bytes": peak, "shape": list(padded.batch_size)}
+
+
+def fsdp_step(model, device: torch.device, rows: int, new_tokens: int, sync) -> dict:
+    """One GRPO ``train_step`` (SGD, lr 1e-3) on the same synthetic padded batch with ``model`` whole and with a copy
+    sharded by ``tokengym.distributed.shard_model`` in a 1-rank process group (nccl on CUDA, gloo on the CPU): the
+    seconds of each (a second step; the first warms up), the peak allocated above the weights and the largest parameter
+    difference after the steps. The group is destroyed after."""
+    import copy
+    import os
+    import socket
+
+    from torchrl.objectives.llm import GRPOLoss
+
+    from tokengym.collectors.policies import PaddedSequenceActor
+    from tokengym.distributed import full_state_dict, shard_model
+    from tokengym.testing import make_trajectory_batch
+    from tokengym.training import train_step
+    from tokengym.transforms import GroupAdvantage, to_padded
+
+    is_cuda = device.type == "cuda"
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.distributed.init_process_group("nccl" if is_cuda else "gloo", rank=0, world_size=1,
+                                             device_id=device if is_cuda else None)  # fmt: skip
+    lengths = [new_tokens - (i * 7) % max(1, new_tokens // 4) for i in range(rows)]
+    batch = make_trajectory_batch(lengths, group_size=8, prompt_len=30, vocab=model.config.vocab_size, steps=new_tokens)
+    padded = to_padded(GroupAdvantage("grpo")(batch)).to(device)
+    out: dict = {"shape": list(padded.batch_size)}
+    try:
+        whole = copy.deepcopy(model)
+        sharded = shard_model(copy.deepcopy(model))
+        for name, trained in (("whole", whole), ("fsdp2", sharded)):
+            loss = GRPOLoss(PaddedSequenceActor(trained), entropy_bonus=False)
+            optimizer = torch.optim.SGD(trained.parameters(), lr=1e-3)
+            train_step(padded.clone(), loss, optimizer)  # warm-up (and the step compared below)
+            sync()
+            base = torch.cuda.memory_allocated(device) if is_cuda else 0
+            if is_cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            t = time.perf_counter()
+            train_step(padded.clone(), loss, optimizer)
+            sync()
+            out[f"{name}_s"] = time.perf_counter() - t
+            out[f"{name}_peak_above_bytes"] = torch.cuda.max_memory_allocated(device) - base if is_cuda else None
+            del optimizer, loss
+        full = full_state_dict(sharded)
+        out["max_param_diff"] = max(float((full[k].float() - v.float()).abs().max()) for k, v in whole.state_dict().items())
+        out["dtype"] = str(next(model.parameters()).dtype)
+    finally:
+        torch.distributed.destroy_process_group()
+    return out

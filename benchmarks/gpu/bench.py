@@ -32,13 +32,14 @@ SIZES = {  # B of the throughput runs (the first is the main one), new tokens, G
              "grpo": (8, 8, 256), "syncs": (64, 64, 8), "budget_s": 230.0,
              # rows, new tokens, token budget per micro-batch (None: whole batch), checkpointing, whole logits too
              "train_memory": ((64, 256, None, False, True), (64, 256, 4096, True, False),
-                              (64, 4096, 16384, True, False))},
+                              (64, 4096, 16384, True, False)),
+             "fsdp2": (64, 256)},
     "tiny": {"batch_sizes": (8, 4), "wave_sizes": (8,), "new_tokens": 16,
              "grpo": (2, 4, 16), "syncs": (8, 32, 4), "budget_s": None,
-             "train_memory": ((8, 16, None, False, True), (8, 16, 64, True, False))},
+             "train_memory": ((8, 16, None, False, True), (8, 16, 64, True, False)), "fsdp2": (8, 16)},
 }  # fmt: skip
 QUICK = {"real": {"batch_sizes": (64,), "wave_sizes": (64,), "grpo": (8, 8, 64)}, "tiny": {}}
-SECTIONS = ("throughput", "syncs", "memory", "grpo", "train_memory")
+SECTIONS = ("throughput", "syncs", "memory", "grpo", "train_memory", "fsdp2")
 T0 = time.perf_counter()
 
 
@@ -307,6 +308,24 @@ def train_memory(ctx: Context, B: int) -> None:
             ctx.free()
 
 
+def fsdp2(ctx: Context, B: int) -> None:
+    """The 1-rank FSDP2 path of train() under torch.distributed: one GRPO step with the model sharded by
+    tokengym.distributed.shard_model against the same step whole (seconds, peak memory, parameters after)."""
+    rows, new_tokens = ctx.plan["fsdp2"]
+    out = cs.fsdp_step(ctx.model, ctx.device, rows, new_tokens, ctx.sync)
+    ctx.raw["fsdp2"] = out
+    shape = f"[{rows}, {32 + new_tokens}]"
+    ratio = out["fsdp2_s"] / out["whole_s"]
+    ctx.add("fsdp2", f"1 rank, shard_model vs whole {shape}: s per step", rows, out["fsdp2_s"], out["whole_s"], ratio,
+            note=f"(padded {out['shape']}, {out['dtype']})")  # fmt: skip
+    for name in ("whole", "fsdp2"):
+        peak = out[f"{name}_peak_above_bytes"]
+        ctx.add("fsdp2", f"{name}: peak allocated above the weights, GiB", rows, "n/a" if peak is None else peak / GIB)
+    tolerance = 1e-5 if out["dtype"] == "torch.float32" else 1e-2
+    ctx.add("fsdp2", "max |parameter difference| after the steps", rows, out["max_param_diff"],
+            goal=f"<= {tolerance:g}", met=out["max_param_diff"] <= tolerance)  # fmt: skip
+
+
 def fits_budget(ctx: Context, B: int) -> bool:
     """Whether a throughput run at B would end before the deadline (estimated from the main B's runs)."""
     if ctx.deadline is None or ctx.run_seconds is None:
@@ -358,10 +377,10 @@ def main(argv=None) -> int:
     main_b, *extra_b = ctx.plan["batch_sizes"]
     if "throughput" in wanted:
         run_section(ctx, f"throughput B={main_b}", throughput, main_b)
-    for name in ("syncs", "memory", "grpo", "train_memory"):
+    sections = {"syncs": syncs, "memory": memory, "grpo": grpo, "train_memory": train_memory, "fsdp2": fsdp2}
+    for name in ("syncs", "memory", "grpo", "train_memory", "fsdp2"):
         if name in wanted:
-            run_section(ctx, name, {"syncs": syncs, "memory": memory, "grpo": grpo, "train_memory": train_memory}[name],
-                        main_b)  # fmt: skip
+            run_section(ctx, name, sections[name], main_b)
     for B in extra_b if "throughput" in wanted else ():
         if fits_budget(ctx, B):
             run_section(ctx, f"throughput B={B}", throughput, B)
