@@ -11,12 +11,16 @@ error on every rank, so a mismatch is an error and never a rank waiting alone.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from tokengym.llm_envs.errors import TokenGymWarning
 from tokengym.transforms.batch_statistics import all_reduce_floats
 
-__all__ = ["check_same_setup", "global_row", "group_is_up", "pad_micro_batches", "reduce_gradients", "sharded"]
+__all__ = ["check_same_setup", "global_row", "group_is_up", "pad_micro_batches", "reduce_gradients", "sharded",
+           "warn_if_same_prompts"]
 
 
 def group_is_up() -> bool:
@@ -47,6 +51,23 @@ def check_same_setup(setup: dict[str, object]) -> None:
         raise ValueError(f"train() under torch.distributed needs every rank set up alike, but the {world} ranks differ "
                          f"in {lines}. Build each rank's env, collector, loss and options from the same settings; only "
                          "the prompts differ (tokengym.distributed.shard_prompts) and the seed may")  # fmt: skip
+
+
+def warn_if_same_prompts(fingerprint: dict | None) -> None:
+    """Warn on every rank when every rank's env holds the same prompts (their fingerprints equal): prompts sharded
+    before the process group was up (``shard_prompts`` sees one rank then) or not sharded, so the ranks' batches repeat
+    each other's prompts."""
+    world = torch.distributed.get_world_size()
+    found: list = [None] * world
+    torch.distributed.all_gather_object(found, fingerprint)
+    if fingerprint is not None and all(other == fingerprint for other in found):
+        warnings.warn(TokenGymWarning(
+            f"every one of the {world} ranks collects from the same {fingerprint.get('count')} prompts (first "
+            f"{fingerprint.get('first')!r}): each rank's batch draws from the whole set, so a step may hold one prompt's "
+            "group from several ranks. Give each rank its share, tokengym.distributed.shard_prompts(prompts), called "
+            "after torch.distributed.init_process_group (before it, it sees one rank and returns every prompt); "
+            "ignore this where every rank is meant to draw from the whole set (fewer prompts than ranks)"),
+            stacklevel=3)  # fmt: skip
 
 
 def reduce_gradients(params: list[torch.Tensor]) -> None:

@@ -137,6 +137,7 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     if across:  # the first collective: the same error on every rank where their setups differ
         _ranks.check_same_setup(_setup(collector, loss, optimizer, iterations, options, prepare, weights))
         _check_not_sampling_sharded(collector, loss)
+        _ranks.warn_if_same_prompts(_prompt_fingerprint(collector))
     rows: list[dict] = []
     modes = {module: module.training for module in loss.modules()}  # left as found (train/eval)
     batches = iter(collector)
@@ -305,6 +306,14 @@ def _setup(collector, loss, optimizer, iterations, options, prepare, weights) ->
         "trained shapes": hash(tuple(tuple(p.shape) for p in params)), "iterations": iterations,
         "options": dataclasses.astuple(options), "prepare": type(prepare).__name__, "weights": weights is None,
     }  # fmt: skip
+
+
+def _prompt_fingerprint(collector) -> dict | None:
+    """The fingerprint of the prompts the collector's env draws from (None where the env shows none)."""
+    env = getattr(collector, "env", None)
+    source = getattr(getattr(env, "base_env", env), "source", None)
+    fingerprint = getattr(source, "fingerprint", None)
+    return fingerprint() if callable(fingerprint) else None
 
 
 def _check_not_sampling_sharded(collector, loss) -> None:

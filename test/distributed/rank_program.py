@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 
 import torch
 from torchrl.objectives import ClipPPOLoss
@@ -225,6 +226,10 @@ def refusals(rank: int) -> dict[str, str]:
     found["policy on the sharded model"] = _error(lambda: train(
         on_sharded, GRPOLoss(PaddedSequenceActor(sharded)), torch.optim.SGD(sharded.parameters(), lr=0.1),
         iterations=1, prepare=prepare, weights=lambda: distributed.full_state_dict(sharded)))  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:  # every rank given every prompt
+        warnings.simplefilter("always")
+        train(_collector(model, prompts, SEEDS[rank], tok), loss, optimizer, iterations=1, prepare=prepare)
+    found["same prompts on every rank"] = " | ".join(str(w.message) for w in caught if "same" in str(w.message))
     found["world size 2, 6 rows of groups of 4"] = _error(lambda: distributed.rank_batch_size(12, group_size=4))
     return found
 

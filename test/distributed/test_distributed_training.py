@@ -120,6 +120,7 @@ REFUSALS = {  # case -> (rank 0's error, rank 1's error): every rank ends, none 
                              "ranks differ in batch_size: rank 0 4, rank 1 2",) * 2,
     "a rank fails": ("RuntimeError: train(): another rank failed", "ValueError: rank 1's prepare failed"),
     "policy on the sharded model": ("ValueError: the collector's policy generates with an FSDP2-sharded",) * 2,
+    "same prompts on every rank": ("every one of the 2 ranks collects from the same 8 prompts",) * 2,  # a warning
     "world size 2, 6 rows of groups of 4": ("ValueError: a batch of 12 rows (3 groups of 4) does not split into whole "
                                             "groups over 2 ranks (a group is never split across ranks): use "
                                             "total=16 or 8",) * 2,
