@@ -135,14 +135,22 @@ def shard_model(model: torch.nn.Module, *, param_dtype: torch.dtype | None = Non
     return model
 
 
-def full_state_dict(model: torch.nn.Module) -> Mapping[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module, *, adapters_only: bool = False) -> Mapping[str, torch.Tensor]:
     """The full weights of a sharded (or whole) model, on every rank: each parameter gathered on its own, so the extra
     memory is the full weights once (what the policy loads) plus one parameter being gathered. Pass it to
-    :func:`~tokengym.train` as ``weights=lambda: full_state_dict(model)``; every rank must call it (a collective)."""
+    :func:`~tokengym.train` as ``weights=lambda: full_state_dict(model)``; every rank must call it (a collective).
+
+    ``adapters_only``: a PEFT LoRA model's adapter weights alone (its ``lora_`` entries: what a LoRA policy loads;
+    the frozen base is not gathered)."""
     out = {}
     for name, value in model.state_dict().items():
+        if adapters_only and "lora_" not in name:
+            continue
         full = value.full_tensor() if type(value).__name__ == "DTensor" else value
         out[name] = full.detach()
+    if adapters_only and not out:
+        raise ValueError(f"full_state_dict(adapters_only=True) found no LoRA entries ('lora_' in a name) in "
+                         f"{type(model).__name__}: pass a peft LoRA model, or adapters_only=False for every weight")  # fmt: skip
     return out
 
 

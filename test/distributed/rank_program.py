@@ -118,6 +118,39 @@ def _collector(model, prompts, seed: int, tok):
     return collector
 
 
+def lora_model(tok):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(tiny_model(tok), config)
+
+
+def lora_case(strategy: str, rank: int, world: int) -> dict:
+    """train_case with a LoRA model: only the adapters train; with FSDP2 only they are gathered for the policy."""
+    tok, prompts = tiny_tokenizer(), arithmetic_prompts(8, seed=5)
+    model = lora_model(tok)
+    sampler, weights = model, None
+    if strategy == "fsdp2":
+        sampler = lora_model(tok)
+        distributed.shard_model(model)
+        weights = lambda: distributed.full_state_dict(model, adapters_only=True)  # noqa: E731
+    loss = GRPOLoss(PaddedSequenceActor(model), entropy_bonus=False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    if world > 1:
+        collector = _collector(sampler, distributed.shard_prompts(prompts), SEEDS[rank], tok)
+        rows = train(collector, loss, optimizer, iterations=3, prepare=prepare, weights=weights)
+        return {"params": distributed.full_state_dict(model), "rows": rows}
+    collectors = [_collector(model, prompts[r::2], SEEDS[r], tok) for r in range(2)]
+    batches = [iter(c) for c in collectors]
+    rows = []
+    for _ in range(3):
+        rows.append(train_step(cat_batches([prepare(next(b)) for b in batches]), loss, optimizer))
+        for c in collectors:
+            c.update_policy_weights_(None)
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "rows": rows}
+
+
 def prepare(batch):
     return to_padded(GroupAdvantage("grpo")(batch))
 
@@ -237,7 +270,8 @@ def refusals(rank: int) -> dict[str, str]:
 def main(out: str, strategy: str = "both") -> None:
     """``one``: the one-process reference; ``both``: under torchrun, data parallel and FSDP2, and the refusals."""
     if strategy == "one":
-        results = {"one": {**step_cases(strategy, 0, 1), "train, 3 iterations": train_case(strategy, 0, 1)},
+        results = {"one": {**step_cases(strategy, 0, 1), "train, 3 iterations": train_case(strategy, 0, 1),
+                           "train, LoRA": lora_case(strategy, 0, 1)},
                    "statistics": statistics_case(0, 1)}  # fmt: skip
         torch.save(results, out)
         return
@@ -246,6 +280,7 @@ def main(out: str, strategy: str = "both") -> None:
     results = {}
     for name in ("dp", "fsdp2"):
         results[name] = {**step_cases(name, rank, world), "train, 3 iterations": train_case(name, rank, world),
+                         "train, LoRA": lora_case(name, rank, world),
                          "resume": resume_case(name, rank, f"{out}.{name}.checkpoint")}  # fmt: skip
     results["statistics"] = statistics_case(rank, world)
     results["refusals"] = {rank: refusals(rank)}

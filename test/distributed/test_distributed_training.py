@@ -60,12 +60,13 @@ CASES = [f"{loss}, {split}" for loss in ("GRPOLoss padded", "GRPOLoss shared pre
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("case", [*CASES, "train, 3 iterations"])
+@pytest.mark.parametrize("case", [*CASES, "train, 3 iterations", "train, LoRA"])
 def test_two_ranks_take_the_one_process_step_on_the_union_batch(runs, strategy, case):
     ranks, one, _ = runs
     got, want = ranks[strategy][case], one["one"][case]
+    program = _program()
     torch.manual_seed(0)
-    start = _program().tiny_model(_program().tiny_tokenizer()).state_dict()
+    start = (program.lora_model if "LoRA" in case else program.tiny_model)(program.tiny_tokenizer()).state_dict()
     assert max(float((want["params"][k] - start[k]).abs().max()) for k in start) > 1e-3  # the step moved the model
     _close(got["params"], want["params"], f"{strategy} {case} parameters")
     assert len(got["rows"]) == len(want["rows"])
