@@ -77,6 +77,12 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     ``kl`` and ``beta`` (a KL transform's, else NaN), ``tokens_per_s``, ``loss`` (the summed terms) and every
     scalar the loss returned (``loss_objective``, ``clip_fraction``...), those of the last epoch.
 
+    Under ``torchrun`` (a ``torch.distributed`` process group initialized) every rank calls it with its own collector
+    (its share of the prompts, :func:`tokengym.distributed.shard_prompts`) and the ranks take the one-process step
+    on the union of their batches: the gradients are summed over the ranks (an FSDP2 model's in its backward, a whole
+    model's in one all-reduce per step), batch statistics (whitening, a KL controller's measure) are every rank's,
+    and every rank gets the same global rows. See the guide "Training across GPUs".
+
     Args:
         collector: a ``TokenCollector``, ``RayTokenCollector`` or ``AsyncCollector`` (not shut down here).
         loss: a TorchRL loss module (``ClipPPOLoss``, ``GRPOLoss``...) whose actor holds the trained model.
@@ -102,7 +108,8 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             copy). Before the first update: ``weights()`` giving the policy's own weights (``sampler.state_dict``).
             On every prepared batch, before the loss, what :func:`check_loss_inputs` refuses (a layout the loss's
             actor does not score, no advantage, loss weights the loss does not read). KeyError: a loss without
-            ``loss_*`` terms.
+            ``loss_*`` terms. Under ``torchrun``, on every rank: ranks set up differently, a policy generating with
+            an FSDP2-sharded model; RuntimeError when another rank failed.
 
     Example:
         >>> from torchrl.objectives import ClipPPOLoss
@@ -215,6 +222,9 @@ def train_step(data: TensorDictBase, loss: torch.nn.Module, optimizer: torch.opt
     batch (its tokens for a token mean, rows for a per-sequence mean, rows x columns for ``GRPOLoss``'s KL terms, 1 for a
     sum), so a token mean over micro-batches is the whole batch's token mean. A loss that uses batch statistics
     (``normalize_advantage=True``, ``kl_mask_threshold``) is refused with micro-batches.
+
+    Under ``torchrun`` every rank calls it together on its part of the batch (collectives: the union batch's
+    normalizer, the gradients, the scalars) and every rank steps as one process would on the union batch.
 
     Args:
         data: the prepared batch (what the loss reads), on the trainer's device.
