@@ -14,6 +14,7 @@ from tokengym.llm_envs.rewards import CombinedReward, FormatReward, MathAnswerRe
 from tokengym.llm_envs.self_play_env import make_self_play_env
 from tokengym.llm_envs.token_env import RewardFn, TokenEnv
 from tokengym.llm_envs.trl_rewards import TRLReward, from_trl_reward
+from tokengym.llm_envs.vision import is_vision_model, mrope_positions, vision_token_ids
 
 __all__ = [
     "MultiTurnTokenEnv",
@@ -36,4 +37,7 @@ __all__ = [
     "make_self_play_env",
     "TRLReward",
     "from_trl_reward",
+    "is_vision_model",
+    "mrope_positions",
+    "vision_token_ids",
 ]

@@ -1,6 +1,7 @@
 """Offline tiny models and tokenizers, and synthetic collected batches, for tests, examples and benchmarks.
 
-Nothing is downloaded: the tokenizer and models come from ``tokengym.llm_envs.tiny_models``;
+Nothing is downloaded: the tokenizer and models come from ``tokengym.llm_envs.tiny_models`` (the vision-language
+ones, a tiny Qwen2-VL and its processor, from ``tokengym.llm_envs.tiny_vl_models``);
 :func:`make_trajectory_batch` builds a collected batch without an env or a model.
 
 vLLM (in process, ``VLLMPolicy``, or a server, ``LocalVLLMServer`` + ``VLLMServerPolicy``) serves
@@ -33,17 +34,29 @@ from tokengym.llm_envs.tiny_models import (
     tiny_reward_model,
     tiny_tokenizer,
 )
+from tokengym.llm_envs.tiny_vl_models import (
+    VL_CHAT_TEMPLATE,
+    ImageOnlyQwen2VLProcessor,
+    tiny_vl_model,
+    tiny_vl_processor,
+    tiny_vl_tokenizer,
+)
 
 __all__ = [
     "CHAT_TEMPLATE",
     "FAMILIES",
     "SIZES",
     "TOOL_CHAT_TEMPLATE",
+    "VL_CHAT_TEMPLATE",
+    "ImageOnlyQwen2VLProcessor",
     "PublishAfter",
     "make_trajectory_batch",
     "tiny_model",
     "tiny_reward_model",
     "tiny_tokenizer",
+    "tiny_vl_model",
+    "tiny_vl_processor",
+    "tiny_vl_tokenizer",
     "to_steps_layout",
 ]
 

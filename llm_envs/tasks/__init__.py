@@ -24,8 +24,11 @@ from tokengym.llm_envs.tasks.multi_turn_math import (
     make_multi_turn_math_env,
 )
 from tokengym.llm_envs.tasks.reversal import ReversalReward, make_reversal_env, reversal_prompts
+from tokengym.llm_envs.tasks.visual import digit_reading_prompts, shape_count_prompts
 
 __all__ = [
+    "digit_reading_prompts",
+    "shape_count_prompts",
     "CountdownReward",
     "MultiTurnMathFeedback",
     "TOOL_HINT",
