@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 NOT_RUN = "# not run here:"
 # what a block may need that this machine (CI) lacks; the convention is documented in docs/contributing.md
-NOT_RUN_REASONS = re.compile(r"GPU|Ray cluster|download", re.I)
+NOT_RUN_REASONS = re.compile(r"GPU|Ray cluster|download|torchrun", re.I)
 _FENCE = re.compile(r"^(`{3,}|~{3,})\s*([^\s`]*)")
 # a library's log records on stdout (vLLM's "(EngineCore pid=1) INFO 11-24 18:09:31 [file.py:1] ..."): not the block's
 _LOG_LINE = re.compile(r"^(\(\w+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d ")
@@ -118,7 +118,7 @@ def test_blocks_not_run_here_say_why_and_compile():
         reason = block.code.splitlines()[0][len(NOT_RUN) :].strip()
         assert NOT_RUN_REASONS.search(reason), (
             f"{block.where}: '{NOT_RUN} {reason}' names no reason of the convention (a GPU, a multi-node Ray "
-            "cluster, a model-hub download; docs/contributing.md)"
+            "cluster, a model-hub download, processes under torchrun; docs/contributing.md)"
         )
         compile(block.code, block.where, "exec")  # what is not run still parses
     ran = sum(not b.is_not_run for p in pages() for b in blocks(p))

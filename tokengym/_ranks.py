@@ -17,15 +17,16 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from tokengym.llm_envs.errors import TokenGymWarning
-from tokengym.transforms.batch_statistics import all_reduce_floats
+from tokengym.transforms.batch_statistics import all_reduce_floats, is_across_group
 
 __all__ = ["check_same_setup", "global_row", "group_is_up", "pad_micro_batches", "reduce_gradients", "sharded",
            "warn_if_same_prompts"]
 
 
 def group_is_up() -> bool:
-    """Whether a process group is initialized (``torchrun`` + ``init_process_group``)."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    """Whether this process is one of several ranks: a process group of 2 or more initialized (``torchrun`` +
+    ``init_process_group``). A group of one (what vLLM's in-process engine initializes for itself) is one process."""
+    return is_across_group()
 
 
 def sharded(module: torch.nn.Module) -> list[FSDPModule]:

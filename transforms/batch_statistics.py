@@ -20,15 +20,18 @@ __all__ = ["across_ranks", "all_reduce_floats", "sum_across_ranks"]
 _STATE = threading.local()
 
 
-def _group_is_up() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+def is_across_group() -> bool:
+    """Whether a process group of 2 or more ranks is initialized (a group of one, which vLLM's in-process engine
+    initializes for itself, is one process: nothing to reduce)."""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)  # fmt: skip
 
 
 @contextlib.contextmanager
 def across_ranks() -> Iterator[None]:
     """Inside: :func:`sum_across_ranks` sums over the ranks of the initialized process group (nothing without one)."""
     before = getattr(_STATE, "on", False)
-    _STATE.on = _group_is_up()
+    _STATE.on = is_across_group()
     try:
         yield
     finally:
@@ -37,7 +40,7 @@ def across_ranks() -> Iterator[None]:
 
 def is_across_ranks() -> bool:
     """Whether batch statistics are summed over the ranks here (inside :func:`across_ranks`, a group up)."""
-    return bool(getattr(_STATE, "on", False)) and _group_is_up()
+    return bool(getattr(_STATE, "on", False)) and is_across_group()
 
 
 def all_reduce_floats(values: Sequence[float], op: str = "sum") -> list[float]:

@@ -167,3 +167,30 @@ def test_the_torchrun_example_trains_a_sharded_model_on_two_ranks(tmp_path):
     lines = [line for line in out.splitlines() if line.startswith("iter ")]
     assert [line.split()[1] for line in lines] == ["0", "1"], out[-4000:]  # rank 0 alone prints
     assert "nan" not in " ".join(lines)
+
+
+def test_a_group_of_one_is_one_process(tmp_path):
+    """vLLM's in-process engine initializes a process group of one for itself: train() after it is the one-process
+    train() (no setup collectives, no same-prompts warning), shard_prompts gives every prompt."""
+    import socket
+    import warnings
+
+    program = _program()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        tok, prompts = program.tiny_tokenizer(), program.arithmetic_prompts(4, seed=5)
+        torch.manual_seed(0)
+        model = program.tiny_model(tok)
+        assert distributed.shard_prompts(prompts) == prompts
+        collector = program._collector(model, prompts, 0, tok)
+        loss = program.GRPOLoss(program.PaddedSequenceActor(model), entropy_bonus=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same-prompts warning would raise here
+            rows = program.train(collector, loss, torch.optim.SGD(model.parameters(), lr=0.1), iterations=1,
+                                 prepare=program.prepare)  # fmt: skip
+        assert [row["iter"] for row in rows] == [0]
+    finally:
+        torch.distributed.destroy_process_group()
