@@ -13,10 +13,29 @@ MAX_DEFERRED = 64  # steps kept before they are written anyway (bounds memory an
 
 
 def stack_steps(steps: list[Step]) -> dict:
-    """Steps (B, ...) by flat name -> one chunk (B, k, ...) by flat name (new tensors)."""
+    """Steps (B, ...) by flat name -> one chunk (B, k, ...) by flat name (new tensors).
+
+    A step source hands over the same tensor for a key as long as its value stands (the ids and lengths a refill
+    sets, the policy's version): a run of steps holding one tensor is copied once, broadcast over its steps.
+    """
     if len(steps) == 1:
         return {name: v.unsqueeze(1).clone() for name, v in steps[0].items()}
-    return {name: torch.stack([s[name] for s in steps], 1) for name in steps[0]}
+    return {name: _stack_runs([s[name] for s in steps]) for name in steps[0]}
+
+
+def _stack_runs(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(tensors, 1)``, with each run of one tensor repeated broadcast instead of stacked."""
+    first, k = tensors[0], len(tensors)
+    if all(t is first for t in tensors):
+        return first.unsqueeze(1).expand(first.shape[0], k, *first.shape[1:]).contiguous()
+    runs, start = [], 0  # (tensor, length) of each run of one tensor
+    for i in range(1, k + 1):
+        if i == k or tensors[i] is not tensors[start]:
+            runs.append((tensors[start], i - start))
+            start = i
+    if 2 * len(runs) > k:  # mostly distinct tensors: one stack
+        return torch.stack(tensors, 1)
+    return torch.cat([t.unsqueeze(1).expand(t.shape[0], n, *t.shape[1:]) for t, n in runs], 1)
 
 
 class DeferredSteps:

@@ -118,16 +118,18 @@ class _StepKeys:
 
     def __init__(self) -> None:
         self.root: tuple[str, ...] | None = None
-        self.next: tuple[str, ...] = ()
+        self.next: tuple[tuple[str, str], ...] = ()  # (key under "next", its flat name)
 
     def chunk(self, td, nxt, lead: int) -> dict:
         """The tensors of a step (``lead`` = 1: a :class:`Step` of (B, ...) tensors) or a wave (``lead`` = 2)."""
         root, nxt_items = dict(td.items()), dict(nxt.items())
         if self.root is None:
             self.root = tuple(k for k, v in root.items() if k not in _ROOT_SKIP and isinstance(v, torch.Tensor))
-            self.next = tuple(k for k, v in nxt_items.items() if k not in _NEXT_SKIP and isinstance(v, torch.Tensor))
+            self.next = tuple((k, f"{_NEXT}.{k}") for k, v in nxt_items.items()
+                              if k not in _NEXT_SKIP and isinstance(v, torch.Tensor))  # fmt: skip
         out = {k: root[k] for k in self.root}
-        out.update({f"{_NEXT}.{k}": nxt_items[k] for k in self.next})
+        for k, name in self.next:
+            out[name] = nxt_items[k]
         return Step(out) if lead == 1 else out
 
 

@@ -1,9 +1,10 @@
 """A token env's step and wave over its slots: validate one token per slot, write it into the buffer, find the turns
 that ended and have them answered; a wave's request and unroll with the same termination.
 
-The usual step (no turn can end: no end id and no slot at a limit) is a handful of tensor ops: one gather of an end-id
-table (also the vocabulary check), the lengths moved, one write into the buffer; the steps left before the nearest
-limit are counted in Python, so no comparison with the limits is made until one may be reached.
+The usual step (no turn can end: no end id and no slot at a limit) is a handful of tensor ops: the actions read to the
+host once (a list: the vocabulary check and whether any is an end id, in Python), the lengths moved, one write into the
+buffer; the steps left before the nearest limit are counted in Python, so no comparison with the limits is made until
+one may be reached.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from tokengym.llm_envs.unroll import WaveSteps, unroll_wave
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["Limits", "StepCore"]
-
-_END_MARK = 1 << 40  # beyond any length: an end id's mark reaches every deadline
 
 
 class Limits(Protocol):
@@ -50,9 +49,9 @@ class StepCore:
     def __init__(self, slots: Slots, turn_ends: TurnEnds, stop: StopChecker, eos: torch.Tensor, vocab_size: int) -> None:
         self.slots, self.turn_ends, self.stop, self.eos, self.vocab_size = slots, turn_ends, stop, eos, vocab_size
         self.batch_size = torch.Size([slots.tokens.shape[0]])
-        # per vocabulary id: a mark beyond any length at end ids, 0 elsewhere (a step finds ended turns with a gather)
-        self.end_table = torch.zeros(vocab_size, dtype=torch.int64)
-        self.end_table[eos] = _END_MARK
+        self.is_end = torch.zeros(vocab_size, dtype=torch.bool)  # per vocabulary id (a step's ended turns: a gather)
+        self.is_end[eos] = True
+        self.end_ids = frozenset(eos.tolist())  # whether a step's actions hold an end id, asked of their host list
 
     # -- checks --
     def check_action(self, action) -> torch.Tensor:
@@ -81,14 +80,14 @@ class StepCore:
     def step(self, tensordict: TensorDictBase, handler: TurnHandler, limits: Limits) -> TensorDictBase:
         """Append ``tensordict``'s action to every active slot; the step's ``("next", ...)`` observation. A reward
         function that raises leaves no trace (the write is undone)."""
-        action, active, new_len, resp_len, previous, marks = self._advance(tensordict, limits)
+        action, active, new_len, resp_len, previous = self._advance(tensordict, limits)
         B, rt = self.batch_size[0], self.slots
         if previous is None:  # the common step: no turn ends, nothing to score
             flags = torch.zeros(3, B, 1, dtype=torch.bool).unbind(0)
             rt.commit(action, active, new_len, resp_len, flags[0].view(B), any_done=False)
             rt.flags, rt.done_slots = flags, []
             return rt.observation(*flags, torch.zeros(B, 1))
-        ended = active & marks.bool()  # an end id
+        ended = active & self.is_end.index_select(0, action)  # an end id
         if self.stop.is_enabled:
             ended |= self.stop.hits(rt.tokens, action, active & ~ended, rt.state[keys.PROMPT_LEN], new_len)
         hit = active & (new_len >= rt.deadline)  # a budget, the context or the turn limit reached
@@ -111,10 +110,9 @@ class StepCore:
     def _advance(self, tensordict: TensorDictBase, limits: Limits):
         """Validate the action, write it into the token buffer and tell whether a turn may have ended.
 
-        Returns ``(action, active, new_len, resp_len, previous, marks)``: ``previous`` holds the overwritten
-        buffer cells (for a rollback) when a slot's turn may have ended (an end id, a stop string or a limit), and
-        is ``None`` on the usual step, where nothing ended (then no end flags are computed at all); ``marks`` is
-        non-zero where the action is an end id.
+        Returns ``(action, active, new_len, resp_len, previous)``: ``previous`` holds the overwritten buffer cells
+        (for a rollback) when a slot's turn may have ended (an end id, a stop string or a limit), and is ``None`` on
+        the usual step, where nothing ended (then no end flags are computed at all).
         """
         rt = self.slots
         if not rt.is_reset:
@@ -122,34 +120,29 @@ class StepCore:
         action = tensordict.get(keys.ACTION)
         if not isinstance(action, torch.Tensor) or action.dtype != torch.int64 or action.shape != self.batch_size:
             self.check_action(action)
+        ids = action.tolist()  # the step's one read of the actions: a few ids, cheaper in Python than as tensor ops
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            self.check_action(action)
         s = rt.state
         active = s[keys.ACTIVE]
         self.check_not_done(active)
         if rt.deadline is None:
             rt.set_deadlines(limits.max_new_tokens, limits.max_length, limits.max_turn_tokens)
         seq_len = s[keys.SEQ_LEN]
-        try:  # one gather gives each action's end mark and checks it lies in the vocabulary
-            marks = self.end_table.index_select(0, action)
-        except IndexError:
-            self.check_action(action)
-            raise
         if rt.all_active:
             new_len, resp_len = seq_len + 1, s[keys.RESPONSE_LEN] + 1
         else:
             new_len, resp_len = seq_len + active, s[keys.RESPONSE_LEN] + active
         # a turn may end where the action is an end id or a slot reaches a limit (none can before `steps_left` runs out)
-        if self.stop.is_enabled:
-            may_end = True
-        elif rt.steps_left > 1:
-            may_end = bool(marks.any())
-        else:
-            may_end = bool(((marks + new_len) >= rt.deadline).any())
+        may_end = self.stop.is_enabled or not self.end_ids.isdisjoint(ids)
+        if not may_end and rt.steps_left <= 1:
+            may_end = bool((new_len >= rt.deadline).any())
         pos = rt.row_start + seq_len
         previous = rt.flat.index_select(0, pos) if may_end or not rt.all_active else None
         rt.flat.index_copy_(0, pos, action if rt.all_active else torch.where(active, action, previous))
         if rt.log_probs is not None and (log_prob := tensordict.get(keys.ACTION_LOG_PROB, None)) is not None:
             rt.write_log_probs(pos, log_prob)
-        return action, active, new_len, resp_len, previous if may_end else None, marks
+        return action, active, new_len, resp_len, previous if may_end else None
 
     def _split_limits(self, hit: torch.Tensor, ended: torch.Tensor, new_len: torch.Tensor, limits: Limits):
         """``(limited, cut)`` of the slots that reached a limit: the trajectory's budget or the context

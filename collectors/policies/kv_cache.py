@@ -76,6 +76,9 @@ class SlotKVCache:
         self._one = torch.ones(batch_size, dtype=torch.int64)
         self._new_column = torch.ones(batch_size, 1, dtype=torch.int64, device=self.device)
         self._seen: tuple = (None, None)  # the (traj_id, active) tensors of the last sync
+        self._unmasked_when_dense = _full_attention(model.config)
+        """Whether a decode step without padding may go without a mask (every layer attends to all its tokens: no
+        sliding window, which the model builds from a missing mask but a given one leaves out)."""
 
     def _empty_layers(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Probe the model once with one token to learn (H, D) and dtype per layer."""
@@ -349,19 +352,27 @@ class SlotKVCache:
         Every row attends to its new column (idle rows to their own token), so no row is ever fully
         masked; only live rows count it as a cached token, and keep it unmasked: an idle row's column is a hole (a
         waiting slot's later tokens must not attend to it).
+
+        When every row caches a token in every column (known on the host: each row's ``length`` is the width), the
+        step has no padding and the forward gets no mask, as ``generate`` does then: the attention needs no mask (nor
+        a copy of the keys per query head for it).
         """
-        step = torch.stack([tokens, self.length, live.to(torch.int64)], 1)  # (B, 3): one host-to-device copy
-        step = step.to(self.device, non_blocking=True)
-        attention = torch.cat([self.mask, self._new_column], dim=1)  # (B, C+1)
-        out = self.model(
-            input_ids=step[:, :1],
-            attention_mask=self.decode_mask(attention),
-            position_ids=step[:, 1:2],
-            past_key_values=self.cache,
-        )
-        attention[:, -1] = step[:, 2]  # after the forward: the new column stays attended by live rows only
-        self.mask = attention
-        self.length += live
+        is_dense = self._unmasked_when_dense and int(self.length.min()) == self.columns
+        if self.device.type == "cpu":  # the ids and positions are host tensors already: no copy
+            ids, positions, kept = tokens.view(-1, 1), self.length.view(-1, 1), live
+        else:  # (B, 3): one host-to-device copy
+            step = torch.stack([tokens, self.length, live.to(torch.int64)], 1).to(self.device, non_blocking=True)
+            ids, positions, kept = step[:, :1], step[:, 1:2], step[:, 2]
+        if is_dense:
+            out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache)
+            self.mask = torch.cat([self.mask, kept.view(-1, 1)], dim=1)  # the new column: attended by live rows only
+        else:
+            attention = torch.cat([self.mask, self._new_column], dim=1)  # (B, C+1)
+            out = self.model(input_ids=ids, attention_mask=self.decode_mask(attention), position_ids=positions,
+                             past_key_values=self.cache)  # fmt: skip
+            attention[:, -1] = kept  # after the forward: the new column stays attended by live rows only
+            self.mask = attention
+        self.length += live  # after the forward: ``positions`` may be a view of it
         return out.logits[:, -1]
 
     def decode_mask(self, attention: torch.Tensor) -> torch.Tensor:
@@ -444,6 +455,14 @@ class SlotKVCache:
     def nbytes(self) -> int:
         """Bytes held by keys and values."""
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+
+
+def _full_attention(config) -> bool:
+    """Whether every layer of a model of ``config`` attends to all earlier tokens (no sliding-window layer)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return all(kind == "full_attention" for kind in layer_types)
+    return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False
 
 
 def _expand(order: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

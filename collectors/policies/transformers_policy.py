@@ -159,7 +159,7 @@ class TransformersPolicy(TensorDictModuleBase):
             logits = self.cache.decode(token, active)  # idle rows attend to their own token: finite, and ignored
             action, logp, raw = sample_tokens(logits, self.sampling, self.generator,
                                               with_raw_log_prob=self.return_raw_log_prob)  # fmt: skip
-        if action.device.type != "cpu":  # the env's state is on the host: one device-to-host copy per step
+        if not action.is_cpu:  # the env's state is on the host: one device-to-host copy per step
             action, logp, raw = _to_host(action, logp, raw)
         tensordict.set(keys.ACTION, action)
         tensordict.set(keys.ACTION_LOG_PROB, logp)
