@@ -170,7 +170,7 @@ def _path(path: str) -> str:
 def test_every_path_but_health_needs_the_key(servers):
     url, key = servers.guarded.url, servers.guarded.api_key
     auth = {"Authorization": f"Bearer {key}"}
-    spec = httpx.get(url + "/openapi.json", headers=auth).json()["paths"]
+    spec = httpx.get(url + "/openapi.json", headers=auth, timeout=60).json()["paths"]
     dev = {"/collective_rpc", "/reset_prefix_cache", "/server_info", "/sleep", "/wake_up", "/update_weights"}
     assert dev <= spec.keys()  # the server runs in dev mode: the endpoints that change weights are there
     routes = [(m.upper(), _path(p)) for p, methods in spec.items() for m in methods]

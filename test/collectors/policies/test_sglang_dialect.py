@@ -158,7 +158,7 @@ def test_weights_from_disk_reach_every_server_and_tag_it(fleet, teacher_forcing)
     try:
         assert policy.update_weights(new.state_dict()) == 1
         for server in fleet.servers:  # SGLang's weight version, as its /get_model_info says
-            info = httpx.get(server.url + "/get_model_info").json()
+            info = httpx.get(server.url + "/get_model_info", timeout=60).json()
             assert info["weight_version"] == policy.weights_tag(1) and info["model_path"].endswith("v00000001")
         env.reset()
         request = env.wave_request()
@@ -172,7 +172,7 @@ def test_weights_from_disk_reach_every_server_and_tag_it(fleet, teacher_forcing)
     # a new policy sees servers an earlier run updated: it reloads their checkpoint (the directory they started from)
     again = fleet.policy(env)
     try:
-        assert {httpx.get(s.url + "/get_model_info").json()["weight_version"] for s in fleet.servers} == {"default"}
+        assert {httpx.get(s.url + "/get_model_info", timeout=60).json()["weight_version"] for s in fleet.servers} == {"default"}
     finally:
         again.close()
 

@@ -82,7 +82,7 @@ class Fleet:
         while True:
             total = 0
             for server in self.running:
-                text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {self.key}"}).text
+                text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {self.key}"}, timeout=60).text
                 total += sum(int(float(m)) for m in _GENERATED.findall(text))
             if total == last:
                 return total

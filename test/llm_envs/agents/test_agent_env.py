@@ -210,7 +210,7 @@ def test_sync_agent_over_http_with_a_bearer_key(tool_tokenizer, tool_model):
         urls.append(str(client.base_url))
         reply = client.chat.completions.create(model="p", messages=first_messages(task), tools=TOOLS)
         denied = httpx.post(f"{client.base_url}chat/completions", json={"messages": first_messages(task)},
-                            headers={"Authorization": "Bearer wrong"})  # fmt: skip
+                            headers={"Authorization": "Bearer wrong"}, timeout=60)  # fmt: skip
         assert denied.status_code == 401
         return float(bool(reply.choices[0].message.tool_calls))
 
