@@ -3,8 +3,10 @@
 Each rank collects and prepares its own rows; the loss's micro-batches are scaled by their share of every rank's
 batch (:func:`~tokengym._micro_batches.micro_batches` with ``across_ranks``), so summing the ranks' gradients gives
 the one-process gradient of the union batch. A model sharded with FSDP2 (``fully_shard``) reduces them in its own
-backward (a reduce-scatter that averages: each rank's terms are scaled by the world size first); an unsharded model gets one bucketed all-reduce per
-optimizer step (what ``DistributedDataParallel`` does, after the micro-batches instead of overlapped with backward).
+backward (a reduce-scatter that averages: each rank's terms are scaled by the world size first); an unsharded model
+gets one bucketed all-reduce per optimizer step (what ``DistributedDataParallel`` does, after the micro-batches
+instead of overlapped with backward). A process group of one (vLLM's in-process engine initializes one) is one
+process (``is_across_group``).
 Every collective here is entered by every rank in the same order: the setup check comes first and raises the same
 error on every rank, so a mismatch is an error and never a rank waiting alone.
 """
@@ -15,27 +17,17 @@ import warnings
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from tokengym.llm_envs.errors import TokenGymWarning
-from tokengym.transforms.batch_statistics import all_reduce_floats, is_across_group
+from tokengym.transforms.batch_statistics import all_reduce_floats
 
-__all__ = ["check_same_setup", "global_row", "group_is_up", "pad_micro_batches", "reduce_gradients", "sharded",
-           "warn_if_same_prompts"]
-
-
-def group_is_up() -> bool:
-    """Whether this process is one of several ranks: a process group of 2 or more initialized (``torchrun`` +
-    ``init_process_group``). A group of one (what vLLM's in-process engine initializes for itself) is one process."""
-    return is_across_group()
+__all__ = ["check_same_setup", "global_row", "pad_micro_batches", "reduce_gradients", "sharded", "warn_if_same_prompts"]
 
 
 def sharded(module: torch.nn.Module) -> list[FSDPModule]:
     """The FSDP2 modules (``fully_shard``) in ``module``."""
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
 
 
 def check_same_setup(setup: dict[str, object]) -> None:
@@ -75,7 +67,7 @@ def reduce_gradients(params: list[torch.Tensor]) -> None:
     """Sum the gradients of an unsharded model's ``params`` over the ranks: one all-reduce per dtype and device
     (flattened buckets); a parameter without a gradient on every rank keeps None, one with a gradient on some rank
     gets the sum (zeros where a rank had none)."""
-    params = [p for p in params if p.requires_grad and not _is_dtensor(p)]
+    params = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
     if not params:
         return
     has = all_reduce_floats([float(p.grad is not None) for p in params])

@@ -20,6 +20,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tokengym.transforms.batch_statistics import all_reduce_floats
 
@@ -146,7 +147,7 @@ def full_state_dict(model: torch.nn.Module, *, adapters_only: bool = False) -> M
     for name, value in model.state_dict().items():
         if adapters_only and "lora_" not in name:
             continue
-        full = value.full_tensor() if type(value).__name__ == "DTensor" else value
+        full = value.full_tensor() if isinstance(value, DTensor) else value
         out[name] = full.detach()
     if adapters_only and not out:
         raise ValueError(f"full_state_dict(adapters_only=True) found no LoRA entries ('lora_' in a name) in "

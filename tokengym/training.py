@@ -15,7 +15,7 @@ from tokengym._loss_checks import check_loss_inputs
 from tokengym._micro_batches import micro_batches, mini_batch_rows, trainer_mode
 from tokengym.collectors import AsyncCollector
 from tokengym.collectors.policies.protocol import weights_of
-from tokengym.transforms.batch_statistics import across_ranks, all_reduce_floats
+from tokengym.transforms.batch_statistics import across_ranks, all_reduce_floats, is_across_group
 
 __all__ = ["TrainOptions", "check_loss_inputs", "train", "train_step"]
 
@@ -140,7 +140,7 @@ def train(collector, loss: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     _check_async_copy(collector, params)
     if weights is None:
         _check_trained_in_place(collector, params)
-    across = _ranks.group_is_up()
+    across = is_across_group()
     if across:  # the first collective: the same error on every rank where their setups differ
         _ranks.check_same_setup(_setup(collector, loss, optimizer, iterations, options, prepare, weights))
         _check_not_sampling_sharded(collector, loss)
@@ -258,7 +258,7 @@ def train_step(data: TensorDictBase, loss: torch.nn.Module, optimizer: torch.opt
     if options.mini_batches > n:
         raise ValueError(f"mini_batches={options.mini_batches} is more than the batch's {n} rows: use at most {n}")
     shuffle = torch.Generator().manual_seed(int(torch.randint(2**62, ())))  # from torch's seed: reproducible runs
-    across = _ranks.group_is_up()  # under torchrun: this rank's rows are its part of the union batch
+    across = is_across_group()  # under torchrun: this rank's rows are its part of the union batch
     shards = _ranks.sharded(loss) if across else []
     with trainer_mode(loss, gradient_checkpointing=options.gradient_checkpointing):
         for _ in range(options.epochs):
