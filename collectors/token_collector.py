@@ -210,7 +210,7 @@ class TokenCollector(CollectorBase):
             if prompt is None:
                 continue
             if prompt.group_id not in table:
-                table.add(prompt.group_id, prompt.ids, text=prompt.text, metadata=prompt.metadata)
+                table.add(prompt.group_id, prompt.ids, text=prompt.text, metadata=prompt.metadata, images=prompt.images)
             elif prompt.ids is not table.ids(prompt.group_id) and not torch.equal(prompt.ids, table.ids(prompt.group_id)):
                 table.add_trajectory_prompt(self.base_env.slot_trajectory(b), prompt.ids)  # a split episode's part
 

@@ -1,4 +1,4 @@
-"""The prompt ids of a collected batch, stored once per group (prompt), not per step."""
+"""The prompt ids of a collected batch (and a vision-language prompt's images), stored once per group, not per step."""
 
 from __future__ import annotations
 
@@ -7,11 +7,15 @@ from collections.abc import Mapping
 
 import torch
 
+from tokengym.llm_envs.image_inputs import ImageInputs
+
 __all__ = ["PromptTable"]
 
 
 class PromptTable:
-    """Maps a group id to the token ids of its prompt (1-D int64), plus its text and metadata.
+    """Maps a group id to the token ids of its prompt (1-D int64), plus its text, metadata and images (a
+    vision-language model's prompt: the :class:`~tokengym.llm_envs.image_inputs.ImageInputs` its processor made, kept
+    once per group; the actors pass them to the model beside each trajectory's tokens).
 
     A collected batch carries one under ``keys.PROMPTS`` (as non-tensor data) holding the prompts
     of the trajectories in that batch, so the full sequence of a trajectory is
@@ -43,14 +47,20 @@ class PromptTable:
         self._meta: dict[int, dict] = {}
         self._sequences: dict[int, torch.Tensor] = {}  # multi-turn: full token ids by trajectory id
         self._own: dict[int, torch.Tensor] = {}  # trajectories whose prompt is not their group's (an episode's later part)
+        self._images: dict[int, ImageInputs] = {}  # groups whose prompt has images
 
-    def add(self, group_id: int, ids: torch.Tensor, *, text: str = "", metadata: dict | None = None) -> None:
+    def add(self, group_id: int, ids: torch.Tensor, *, text: str = "", metadata: dict | None = None,
+            images: ImageInputs | None = None) -> None:  # fmt: skip
         """Record the prompt of ``group_id`` (later calls for the same id are ignored)."""
         gid = int(group_id)
         if gid not in self._ids:
+            if images is not None and not isinstance(images, ImageInputs):
+                raise TypeError(f"images must be ImageInputs (a Prompt's images) or None, got {type(images).__name__}")
             self._ids[gid] = ids
             self._text[gid] = text
             self._meta[gid] = metadata or {}
+            if images is not None:
+                self._images[gid] = images
 
     def add_sequence(self, traj_id: int, ids: torch.Tensor) -> None:
         """Record the full token ids (prompt, turns, env feedback) of a finished multi-turn trajectory."""
@@ -105,11 +115,21 @@ class PromptTable:
         """Metadata of the prompt of ``group_id`` (e.g. the reference answer)."""
         return self._lookup(group_id, self._meta)
 
+    def images(self, group_id: int) -> ImageInputs | None:
+        """The images of the prompt of ``group_id`` (``None``: a prompt without images)."""
+        self._lookup(group_id, self._ids)
+        return self._images.get(int(group_id))
+
+    @property
+    def has_images(self) -> bool:
+        """Whether any prompt held has images."""
+        return bool(self._images)
+
     def subset(self, group_ids, traj_ids=None) -> PromptTable:
         """A new table with only ``group_ids`` and the sequences of ``traj_ids`` held (shares the tensors)."""
         out = PromptTable(pad_token_id=self.pad_token_id, sampling=self.sampling)
         for gid in dict.fromkeys(int(g) for g in torch.as_tensor(group_ids).reshape(-1).tolist()):
-            out.add(gid, self.ids(gid), text=self.text(gid), metadata=self.metadata(gid))
+            out.add(gid, self.ids(gid), text=self.text(gid), metadata=self.metadata(gid), images=self.images(gid))
         if traj_ids is not None:
             for tid in dict.fromkeys(int(t) for t in torch.as_tensor(traj_ids).reshape(-1).tolist()):
                 if tid in self._sequences:
@@ -130,7 +150,7 @@ class PromptTable:
             raise ValueError(f"cannot merge prompt tables of batches sampled with different settings, {self.sampling} "
                              f"and {other.sampling}: train on the batches of each setting apart")  # fmt: skip
         for gid in other.group_ids():
-            self.add(gid, other.ids(gid), text=other.text(gid), metadata=other.metadata(gid))
+            self.add(gid, other.ids(gid), text=other.text(gid), metadata=other.metadata(gid), images=other.images(gid))
         for tid in other.traj_ids():
             self._sequences[tid] = other.sequence(tid)
         self._own.update(other._own)
@@ -154,14 +174,16 @@ class PromptTable:
         sampling = self.sampling and {**self.sampling, "banned_token_ids": list(self.sampling["banned_token_ids"])}
         return {"groups": groups, "ids": [self._ids[g] for g in groups], "text": [self._text[g] for g in groups],
                 "metadata": [self._meta[g] for g in groups], "sequences": dict(self._sequences),
-                "own_prompts": dict(self._own), "pad_token_id": self.pad_token_id, "sampling": sampling}  # fmt: skip
+                "own_prompts": dict(self._own), "pad_token_id": self.pad_token_id, "sampling": sampling,
+                "images": {g: x.state_dict() for g, x in self._images.items()}}  # fmt: skip
 
     @classmethod
     def from_state_dict(cls, state: dict) -> PromptTable:
         """Rebuild a table saved by :meth:`state_dict`."""
         out = cls(pad_token_id=state.get("pad_token_id"), sampling=state.get("sampling"))
+        images = {int(g): ImageInputs.from_state_dict(x) for g, x in state.get("images", {}).items()}
         for gid, ids, text, meta in zip(state["groups"], state["ids"], state["text"], state["metadata"], strict=True):
-            out.add(gid, ids, text=text, metadata=meta)
+            out.add(gid, ids, text=text, metadata=meta, images=images.get(int(gid)))
         for tid, ids in state["sequences"].items():
             out.add_sequence(tid, ids)
         for tid, ids in state.get("own_prompts", {}).items():

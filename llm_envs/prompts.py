@@ -12,10 +12,12 @@ from enum import StrEnum
 import torch
 
 from tokengym.llm_envs.errors import PromptError
+from tokengym.llm_envs.image_inputs import ImageInputs, encode_with_images, image_token_id
 
 __all__ = ["OverlongPrompts", "Prompt", "PromptSource"]
 
 _PROMPT_FIELDS = ("prompt", "messages", "question", "input_ids")
+_IMAGE_FIELDS = ("images", "image")  # a mapping's images: a list, or one image
 _NO_TEMPLATE = ("is a chat message list but the tokenizer has no chat_template; set tokenizer.chat_template "
                 "(a jinja template) or pass plain strings")  # fmt: skip
 
@@ -41,6 +43,8 @@ class Prompt:
         sample_id: index of the sample within its group, ``0 .. group_size - 1``.
         messages: the chat messages of a chat prompt (before the template), else ``None``; a TRL
             reward function receives them as ``prompts``, as TRL passes a conversational dataset's.
+        images: the prompt's images as its processor prepared them (a vision-language model's prompt), else
+            ``None``; ``ids`` then hold each image's tokens.
     """
 
     ids: torch.Tensor
@@ -50,6 +54,7 @@ class Prompt:
     group_id: int
     sample_id: int
     messages: list | None = None
+    images: ImageInputs | None = None
 
 
 class PromptSource:
@@ -74,6 +79,10 @@ class PromptSource:
             ``"truncate"`` a prompt of more than ``max_prompt_length`` tokens (a TokenEnv caps the
             limit at its ``max_length - 1``). ``counts`` counts the skipped and truncated draws.
         max_prompt_length: the prompt token limit (``None``: only the env's).
+        processor: a vision-language model's processor (``AutoProcessor.from_pretrained``): a mapping item's
+            ``images`` (a list of PIL images, arrays or paths; ``image``: one) go through it with the rendered text,
+            each placeholder expanded to its image's tokens (:func:`~tokengym.llm_envs.image_inputs.encode_with_images`);
+            :attr:`Prompt.images` holds what it made of them. Its tokenizer must be ``tokenizer``'s vocabulary.
 
     Raises:
         ValueError: at construction, for chat prompts (judged by the first item of a list or
@@ -98,6 +107,7 @@ class PromptSource:
         chat_template_kwargs: dict | None = None,
         overlong: OverlongPrompts | str = OverlongPrompts.ERROR,
         max_prompt_length: int | None = None,
+        processor=None,
     ) -> None:
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Iterable):
             raise TypeError(
@@ -121,12 +131,13 @@ class PromptSource:
             raise ValueError(f"max_prompt_length must be a positive int or None, got {max_prompt_length!r}")
         self.max_prompt_length = max_prompt_length
         self.counts = {"prompts_skipped_overlong": 0, "prompts_truncated": 0}
+        self.processor = _check_processor(processor, tokenizer)
         if self.is_sized:  # what applies to every prompt fails here, not at every refill
             _check_chat_template(prompts[0], tokenizer)
         self._iter: Iterator | None = None if self.is_sized else iter(prompts)
         self._epoch, self._pos, self._sample, self._group = 0, 0, 0, 0
         self._order: list[int] | None = None
-        self._current: tuple[int, torch.Tensor, str, dict] | None = None
+        self._current: tuple | None = None  # (index, ids, text, metadata, messages, images)
         self.is_exhausted = False
         self.shard_index, self.num_shards = 0, 1
 
@@ -185,9 +196,9 @@ class PromptSource:
             encoded = self._within_limit(index, *self._encode_cached(item, index))
             if encoded is not None:
                 self._current = (index, *encoded)
-        index, ids, text, meta, messages = self._current
+        index, ids, text, meta, messages, images = self._current
         self._sample += 1
-        return Prompt(ids, text, meta, index, self._group - 1, self._sample - 1, messages)
+        return Prompt(ids, text, meta, index, self._group - 1, self._sample - 1, messages, images)
 
     def end_group(self) -> None:
         """The group being drawn gives no more samples: the next draw is the next prompt's first sample (a tree
@@ -226,18 +237,26 @@ class PromptSource:
         self.shard_index, self.num_shards = index, num_shards
         return self
 
-    def _within_limit(self, index: int, ids: torch.Tensor, text: str, meta: dict, messages):
+    def _within_limit(self, index: int, ids: torch.Tensor, text: str, meta: dict, messages, images):
         """The encoded item under the over-long policy: as is, truncated, ``None`` (skipped), or PromptError."""
         limit = self.max_prompt_length
         if limit is None or ids.numel() <= limit:
-            return ids, text, meta, messages
+            return ids, text, meta, messages, images
         if self.overlong is OverlongPrompts.SKIP:
             self.counts["prompts_skipped_overlong"] += 1
             return None
+        if images is not None:  # truncating would cut image tokens off their pixels
+            image_tokens = int((ids == image_token_id(self.processor)).sum())
+            raise PromptError(
+                f"prompt {index} {text[:60]!r} has {ids.numel()} tokens, {image_tokens} of them for its "
+                f"{images.num_images} image(s) ({images.image_grid_thw.tolist()} patch grids), more than the {limit} a "
+                "prompt may have (the env's max_length - 1): give smaller images (the processor's max_pixels), raise "
+                "max_length, or pass overlong_prompts='skip' (an image prompt is never truncated)"
+            )
         if self.overlong is OverlongPrompts.TRUNCATE:
             self.counts["prompts_truncated"] += 1
             ids = ids[-limit:]
-            return ids, self.tokenizer.decode(ids), meta, messages
+            return ids, self.tokenizer.decode(ids), meta, messages, images
         raise PromptError(
             f"prompt {index} {text[:60]!r} has {ids.numel()} tokens, more than the {limit} a prompt may have "
             "(the env's max_length - 1, or max_prompt_length); raise max_length, or pass overlong_prompts='skip' "
@@ -332,7 +351,7 @@ class PromptSource:
     # -- encoding --
     _CACHE_SIZE = 65_536
 
-    def _encode_cached(self, item, index: int) -> tuple[torch.Tensor, str, dict, list | None]:
+    def _encode_cached(self, item, index: int) -> tuple:
         """Encode a sized source's item once across epochs (bounded cache); iterables every time."""
         if not self.is_sized:
             return self._encode_item(item, index)
@@ -359,7 +378,7 @@ class PromptSource:
             item, meta = self.prompts[i], {}
             if isinstance(item, Mapping):
                 field = next((f for f in _PROMPT_FIELDS if f in item), None)
-                if field is None:
+                if field is None or any(f in item for f in _IMAGE_FIELDS):
                     continue
                 meta, item = {key: v for key, v in item.items() if key != field}, item[field]
             if isinstance(item, str) and item:
@@ -371,15 +390,17 @@ class PromptSource:
         rows = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         for i, text, meta, row in zip(indices, texts, metas, rows, strict=True):
             if row:
-                cache[i] = (torch.tensor(row, dtype=torch.int64), text, meta, None)
+                cache[i] = (torch.tensor(row, dtype=torch.int64), text, meta, None, None)
 
     def encode(self, item, index: int) -> tuple[torch.Tensor, str, dict]:
         """Token ids, text and metadata of one item; raises ``ValueError`` for an empty prompt."""
         return self._encode_item(item, index)[:3]
 
-    def _encode_item(self, item, index: int) -> tuple[torch.Tensor, str, dict, list | None]:
-        """:meth:`encode` plus the chat messages of a chat prompt (``None`` for other prompts)."""
+    def _encode_item(self, item, index: int) -> tuple:
+        """:meth:`encode` plus the chat messages of a chat prompt and the prompt's image inputs (``None`` for a
+        prompt without)."""
         meta: dict = {}
+        images = None
         if isinstance(item, Mapping):
             field = next((f for f in _PROMPT_FIELDS if f in item), None)
             if field is None:
@@ -387,12 +408,22 @@ class PromptSource:
                     f"prompt item {index} is a mapping without a prompt field: it has keys "
                     f"{sorted(item)}; give one of {_PROMPT_FIELDS}"
                 )
-            meta = {k: v for k, v in item.items() if k != field}
+            meta = {k: v for k, v in item.items() if k != field and k not in _IMAGE_FIELDS}
+            images = _item_images(item, index)
             item = item[field]
         ids, text = self._tokenize(item, index)
+        if images is not None:
+            if self.processor is None:
+                raise ValueError(f"prompt item {index} carries {len(images)} image(s) but the prompt source has no "
+                                 "processor: pass processor= (the vision-language model's AutoProcessor) to the env "
+                                 "or PromptSource, with a vision-language model")  # fmt: skip
+            if not isinstance(item, str) and _chat_messages(item) is None:
+                raise TypeError(f"prompt item {index} gives images with token ids: give its text (with one image "
+                                "placeholder per image) or chat messages with {'type': 'image'} items")  # fmt: skip
+            ids, images = encode_with_images(self.processor, text, images, index=index)
         if ids.numel() == 0:
             raise ValueError(f"prompt item {index} is empty ({item!r}): every prompt needs at least one token")
-        return ids, text, meta, _chat_messages(item)
+        return ids, text, meta, _chat_messages(item), images
 
     def _tokenize(self, item, index: int) -> tuple[torch.Tensor, str]:
         tok = self.tokenizer
@@ -428,6 +459,36 @@ def _chat_messages(item) -> list | None:
     return None
 
 
+def _item_images(item: Mapping, index: int) -> list | None:
+    """The images of a mapping item (its ``images`` list or its one ``image``), ``None`` when it has none."""
+    if "images" in item:
+        images = item["images"]
+        if images is None:
+            return None
+        if isinstance(images, str | bytes) or not isinstance(images, Sequence):
+            raise TypeError(f"prompt item {index}: 'images' must be a list of images (PIL images, arrays or paths), "
+                            f"got {type(images).__name__}; one image goes in 'image'")  # fmt: skip
+        return list(images) or None
+    if "image" in item and item["image"] is not None:
+        return [item["image"]]
+    return None
+
+
+def _check_processor(processor, tokenizer):
+    """``processor`` if it can render images for ``tokenizer``'s ids; ``None`` stays ``None``."""
+    if processor is None:
+        return None
+    inner = getattr(processor, "tokenizer", None)
+    if inner is None or getattr(processor, "image_token", None) is None:
+        raise TypeError(f"processor must be a vision-language model's processor (a tokenizer and an image token), "
+                        f"got {type(processor).__name__}")  # fmt: skip
+    if len(inner) != len(tokenizer) or inner.convert_tokens_to_ids(processor.image_token) != tokenizer.convert_tokens_to_ids(
+            processor.image_token):  # fmt: skip
+        raise ValueError(f"the processor's tokenizer ({len(inner)} tokens) is not the env's tokenizer ({len(tokenizer)} "
+                         "tokens, or another image token id): load both from the same model directory")  # fmt: skip
+    return processor
+
+
 def _overlong(value) -> OverlongPrompts:
     try:
         return OverlongPrompts(value)
@@ -461,6 +522,11 @@ def _item_bytes(item) -> bytes:
 
 
 def _plain(value):
-    """A JSON-able stand-in for a value ``json`` does not know: a tensor's or numpy value's list, else its repr."""
+    """A JSON-able stand-in for a value ``json`` does not know: a tensor's or numpy value's list, an image's
+    pixels' hash, else its repr."""
     tolist = getattr(value, "tolist", None)
-    return tolist() if callable(tolist) else repr(value)
+    if callable(tolist):
+        return tolist()
+    if callable(getattr(value, "tobytes", None)) and hasattr(value, "mode") and hasattr(value, "size"):  # PIL
+        return [value.mode, list(value.size), hashlib.blake2b(value.tobytes(), digest_size=8).hexdigest()]
+    return repr(value)

@@ -12,17 +12,25 @@ from torchrl.envs import EnvBase
 
 from tokengym.llm_envs import keys
 from tokengym.llm_envs._decode import ResponseDecoder
-from tokengym.llm_envs._env_checks import check_budget, check_env_args, check_int, context_limit, eos_ids
+from tokengym.llm_envs._env_checks import (
+    check_budget,
+    check_env_args,
+    check_int,
+    context_limit,
+    eos_ids,
+)
 from tokengym.llm_envs._loading import PromptLoader, overrides
 from tokengym.llm_envs._slots import Slots
 from tokengym.llm_envs._step_core import StepCore
 from tokengym.llm_envs._stop import StopChecker
 from tokengym.llm_envs._turn_ends import TurnEnds
 from tokengym.llm_envs.errors import PromptError
+from tokengym.llm_envs.image_inputs import check_processor_fits
 from tokengym.llm_envs.prompts import Prompt, PromptSource
 from tokengym.llm_envs.turns.protocol import EnvFacts, HeldEpisode, TurnHandler
 from tokengym.llm_envs.turns.render import ChatRenderer
 from tokengym.llm_envs.turns.scoring import RewardTurns, turn_handler
+from tokengym.llm_envs.vision import text_config
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["TokenEnv", "RewardFn"]
@@ -77,6 +85,10 @@ class TokenEnv(EnvBase):
         overlong_prompts: ``"error"`` (default), ``"skip"`` or ``"truncate"`` a prompt of ``max_length`` tokens
             or more (see :class:`~tokengym.llm_envs.prompts.OverlongPrompts`; :attr:`prompt_counts` counts them).
             With a :class:`PromptSource`, set its ``overlong`` instead.
+        processor: a vision-language model's processor, for prompts with images (``{"prompt": messages, "images":
+            [...]}``): the source renders them through it and each :class:`Prompt` carries its
+            :class:`~tokengym.llm_envs.image_inputs.ImageInputs` (see the "Vision-language models" guide). With a
+            :class:`PromptSource`, give it to the source instead.
 
     Example:
         >>> from tokengym.testing import tiny_tokenizer
@@ -111,6 +123,7 @@ class TokenEnv(EnvBase):
         seed: int = 0,
         shuffle: bool = False,
         overlong_prompts: str = "error",
+        processor=None,
     ) -> None:
         check_env_args(tokenizer, batch_size=batch_size, max_new_tokens=max_new_tokens, max_turn_tokens=max_turn_tokens,
                        max_turns=max_turns)  # fmt: skip
@@ -120,10 +133,17 @@ class TokenEnv(EnvBase):
             if overlong_prompts != "error":
                 raise ValueError(f"overlong_prompts={overlong_prompts!r} with a PromptSource: set it on the source, "
                                  "PromptSource(..., overlong=...)")  # fmt: skip
+            if processor is not None and processor is not prompts.processor:
+                raise ValueError("processor= with a PromptSource: give the processor to the source, "
+                                 "PromptSource(..., processor=...)")  # fmt: skip
             self.source = prompts
         else:
             self.source = PromptSource(prompts, tokenizer, group_size=group_size, shuffle=shuffle, seed=seed,
-                                       overlong=overlong_prompts)  # fmt: skip
+                                       overlong=overlong_prompts, processor=processor)  # fmt: skip
+        self.processor = self.source.processor
+        check_processor_fits(self.processor, model_config)
+        if model_config is not None:  # a vision-language config keeps its limits in its text config
+            model_config = text_config(model_config)
         self.tokenizer, self.turns, self.max_turns, self.max_new_tokens = tokenizer, turns, max_turns, max_new_tokens
         self.max_turn_tokens = max_turn_tokens
         self.max_length = max_length if max_length is not None else context_limit(tokenizer, model_config)

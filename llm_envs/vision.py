@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["is_vision_model", "mrope_positions", "vision_token_ids"]
+__all__ = ["is_vision_model", "mrope_positions", "text_config", "vision_token_ids"]
 
 _TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
@@ -28,6 +28,13 @@ def is_vision_model(model_or_config) -> bool:
     """Whether a model (or its config) takes images: a vision tower's config and an image token id."""
     config = getattr(model_or_config, "config", model_or_config)
     return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
+
+
+def text_config(config):
+    """The config of a model's language part (a vision-language config keeps its vocabulary size and context length
+    there); a text model's config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
 
 
 def vision_token_ids(model_or_config) -> list[int]:

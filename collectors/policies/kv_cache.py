@@ -20,6 +20,12 @@ and trajectory id) lives on the host beside the env's slot state, so deciding wh
 device. A decode step sends the fed tokens and their positions in one host-to-device copy, a refill its prompts in
 one more; nothing here copies from the device to the host.
 
+Vision-language models (Qwen2-VL's M-RoPE): a prefill takes the images of its rows (``images(row)``, the env's
+:class:`~tokengym.llm_envs.image_inputs.ImageInputs` of the slot's prompt) and their multimodal positions
+(:func:`~tokengym.llm_envs.mrope_positions`); the host keeps each row's rope delta, so a later token at length ``n``
+sits at position ``n + delta`` (a decode step's or an extension's text tokens, given as 1-D positions that the model
+uses in its three sections). A prompt with images is shared (group, prefix store) only with the same images.
+
 The forwards and the cache's own writes run under ``torch.inference_mode()`` (a tenth less per decode step of a
 small model than ``no_grad``); the keys and values are inference tensors, but the logits a decode returns feed
 functional ops only, so what a policy hands out, and a checkpoint's clones, are ordinary tensors.
@@ -38,6 +44,8 @@ from transformers import DynamicCache
 
 from tokengym.collectors.policies.prefix_store import DEFAULT_PREFIX_CACHE_BYTES, PrefixStore, group_by_prompt
 from tokengym.llm_envs.devices import input_device
+from tokengym.llm_envs.image_inputs import ImageInputs
+from tokengym.llm_envs.vision import is_vision_model, mrope_positions
 
 __all__ = ["SlotKVCache"]
 
@@ -59,8 +67,15 @@ class SlotKVCache:
     """
 
     def __init__(self, model, batch_size: int, *, share_prefixes: bool = True,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:  # fmt: skip
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, images=None) -> None:  # fmt: skip
         self.model, self.batch_size = model, batch_size
+        self.images = images
+        """``images(row) -> ImageInputs | None``: the images of the trajectory a row is refilled with (a
+        vision-language model's; ``None``: no row has images)."""
+        config = model.config
+        self.vision = (int(config.image_token_id), int(config.vision_config.spatial_merge_size)) if is_vision_model(
+            config) else None  # fmt: skip
+        """(image token id, merge size) of a vision-language model, else ``None``."""
         self.share_prefixes = bool(share_prefixes)
         self.prefixes = PrefixStore(prefix_cache_bytes if share_prefixes else 0)
         """Prompts prefilled lately, for the later samples of their groups (:class:`PrefixStore`)."""
@@ -72,6 +87,7 @@ class SlotKVCache:
         # where each row's first cached token sits, in a column numbering that dropping front columns does not move:
         # column c of the cache is number `_base + c`; a right-aligned row starts at `_base + columns - length`
         self.first = torch.zeros(batch_size, dtype=torch.int64)
+        self.delta = torch.zeros(batch_size, dtype=torch.int64)  # M-RoPE: position of the next token minus its index
         self._base = 0
         self._one = torch.ones(batch_size, dtype=torch.int64)
         self._new_column = torch.ones(batch_size, 1, dtype=torch.int64, device=self.device)
@@ -204,16 +220,23 @@ class SlotKVCache:
         if width == 0:  # one-token prompts: nothing to prefill
             return
         at_rows = rows.tolist()
+        images = self._row_images(at_rows, tokens, lens)
         if self.share_prefixes:  # rows by prefix: a group's samples share one
             prefixes = group_by_prompt(tokens[r, :n] for r, n in zip(at_rows, lens.tolist(), strict=True))
             groups = {ids: [at_rows[i] for i in members] for ids, members in prefixes.items()}
+            if images:  # the same ids with other images are another prefix
+                split: dict[tuple[int, ...], list[int]] = {}
+                for ids, members in groups.items():
+                    for m in members:
+                        split.setdefault(ids + _digest_key(images.get(m)), []).append(m)
+                groups = split
         else:
             groups = {(r,): [r] for r in at_rows}
         held = {ids: self.prefixes.get(ids) for ids in groups}  # before any put can evict one
         first = [members[0] for ids, members in groups.items() if held[ids] is None]
         if first:
             at = torch.isin(rows, torch.tensor(first))
-            self._prefill(rows[at], lens[at], tokens, keep)
+            self._prefill(rows[at], lens[at], tokens, keep, images)
         for ids, members in groups.items():
             if held[ids] is not None:
                 self._write_prefix(members, held[ids], keep)
@@ -224,8 +247,27 @@ class SlotKVCache:
         if pairs:
             self.copy_rows(*(torch.tensor(side, dtype=torch.int64) for side in zip(*pairs, strict=True)))
 
-    def _prefill(self, rows: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor, keep: int) -> None:
-        """Prefill ``rows`` with ``tokens[row, :lens]`` in one forward, right-aligned into the last columns."""
+    def _row_images(self, rows: list[int], tokens: torch.Tensor, lens: torch.Tensor) -> dict:
+        """The images of refilled ``rows`` (row -> (ImageInputs, positions (3, n))), each row's rope delta set; an empty
+        dict for a text model or rows without images."""
+        if self.vision is None:
+            return {}
+        self.delta[rows] = 0
+        out = {}
+        for r, n in zip(rows, lens.tolist(), strict=True):
+            held = self.images(r) if self.images is not None else None
+            if held is None:
+                continue
+            positions, delta = mrope_positions(tokens[r, :n], held.image_grid_thw, image_token_id=self.vision[0],
+                                               merge_size=self.vision[1])  # fmt: skip
+            self.delta[r] = delta
+            out[r] = (held, positions)
+        return out
+
+    def _prefill(self, rows: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor, keep: int,
+                 images: dict | None = None) -> None:  # fmt: skip
+        """Prefill ``rows`` with ``tokens[row, :lens]`` in one forward, right-aligned into the last columns (with the
+        rows' ``images``: row -> (ImageInputs, M-RoPE positions))."""
         width = int(lens.max())
         # the rows, the right-aligned prefixes and their mask in one host-to-device copy
         cols = torch.arange(width)
@@ -238,9 +280,16 @@ class SlotKVCache:
         if width == 0:  # one-token prompts: nothing to prefill
             return
         sub = DynamicCache(config=self.model.config)
-        self.model(input_ids=ids, attention_mask=self._block_mask(seg_mask),
-                   position_ids=(seg_mask.cumsum(-1) - 1).clamp_(min=0),
-                   past_key_values=sub, logits_to_keep=1)  # fmt: skip
+        positions, extra = (seg_mask.cumsum(-1) - 1).clamp_(min=0), {}
+        held = [images[r] for r in rows.tolist() if r in images] if images else []
+        if held:  # M-RoPE positions (3, n, width), right-aligned as the ids; the rows' images in row order
+            positions = positions.expand(3, -1, -1).clone()
+            for i, r in enumerate(rows.tolist()):
+                if r in images:
+                    positions[:, i, width - int(lens[i]) :] = images[r][1].to(positions.device)
+            extra = ImageInputs.cat([h for h, _ in held]).model_inputs(self.device)
+        self.model(input_ids=ids, attention_mask=self._block_mask(seg_mask), position_ids=positions,
+                   past_key_values=sub, logits_to_keep=1, **extra)  # fmt: skip
         start = keep - width
         for (k, v), layer in zip(self.kv, sub.layers, strict=True):
             at = rows_d.to(k.device, non_blocking=True)  # a device_map model: each layer on its own device
@@ -291,6 +340,7 @@ class SlotKVCache:
             v[here[1]] = v[here[0]].gather(2, order)
         self.mask[dst_d] = kept
         self.length[dst] = upto
+        self.delta[dst] = self.delta[src]
         self.first[dst] = self._base + C - upto
 
     def fork(self, src: list[int], dst: list[int], lengths: list[int], trajs: list[int]) -> None:
@@ -325,7 +375,7 @@ class SlotKVCache:
             if len(seg):
                 ids[i, width - len(seg) :] = seg
                 seg_mask[i, width - len(seg) :] = 1
-        positions = (self.length[rows, None] + seg_mask.cumsum(-1) - 1).clamp(min=0)
+        positions = (self.length[rows, None] + self.delta[rows, None] + seg_mask.cumsum(-1) - 1).clamp(min=0)
         self.length[rows] += seg_mask.sum(-1)
         # rows, ids, positions and mask in one host-to-device copy
         packed = torch.cat([rows[:, None], ids, positions, seg_mask], 1).to(self.device, non_blocking=True)
@@ -358,10 +408,11 @@ class SlotKVCache:
         a copy of the keys per query head for it).
         """
         is_dense = self._unmasked_when_dense and int(self.length.min()) == self.columns
+        at = self.length if self.vision is None else self.length + self.delta  # a token's (M-RoPE) position
         if self.device.type == "cpu":  # the ids and positions are host tensors already: no copy
-            ids, positions, kept = tokens.view(-1, 1), self.length.view(-1, 1), live
+            ids, positions, kept = tokens.view(-1, 1), at.view(-1, 1), live
         else:  # (B, 3): one host-to-device copy
-            step = torch.stack([tokens, self.length, live.to(torch.int64)], 1).to(self.device, non_blocking=True)
+            step = torch.stack([tokens, at, live.to(torch.int64)], 1).to(self.device, non_blocking=True)
             ids, positions, kept = step[:, :1], step[:, 1:2], step[:, 2]
         if is_dense:
             out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache)
@@ -424,6 +475,7 @@ class SlotKVCache:
         self.replace_columns([(k.new_zeros(*k.shape[:2], 0, k.shape[3]), v.new_zeros(*v.shape[:2], 0, v.shape[3]))
                                for k, v in self.kv], self.mask.new_zeros(self.batch_size, 0))  # fmt: skip
         self.length = torch.zeros_like(self.length)
+        self.delta = torch.zeros_like(self.delta)
         self.traj = torch.full_like(self.traj, -1)
         self.first, self._base = torch.zeros_like(self.first), 0
         self._seen = (None, None)
@@ -434,7 +486,7 @@ class SlotKVCache:
         """Keys, values, mask, lengths, spans and trajectory ids (clones), for checkpoints."""
         return {"kv": [(k.clone(), v.clone()) for k, v in self.kv], "mask": self.mask.clone(),
                 "length": self.length.clone(), "span": self.span(), "traj": self.traj.clone(),
-                "prefixes": self.prefixes.state_dict()}  # fmt: skip
+                "delta": self.delta.clone(), "prefixes": self.prefixes.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (of a cache with the same number of slots)."""
@@ -447,6 +499,7 @@ class SlotKVCache:
                                for (k, v), (mine, mine_v) in zip(state["kv"], self.kv, strict=True)],
                               state["mask"].to(self.device, copy=True))  # fmt: skip
         self.length, self.traj = state["length"].to("cpu", copy=True), state["traj"].to("cpu", copy=True)
+        self.delta = state.get("delta", torch.zeros_like(self.length)).to("cpu", copy=True)
         self._base = 0  # a checkpoint without spans (older) holds right-aligned rows
         self.first = self.columns - state.get("span", self.length).to("cpu", copy=True)
         self._seen = (None, None)
@@ -463,6 +516,14 @@ def _full_attention(config) -> bool:
     if layer_types:
         return all(kind == "full_attention" for kind in layer_types)
     return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False
+
+
+def _digest_key(held) -> tuple[int, ...]:
+    """What a prefix key adds for its images: their digest as two negative ints (no token id is negative)."""
+    if held is None:
+        return ()
+    value = int(held[0].digest, 16)
+    return (-(value >> 32) - 1, -(value & 0xFFFFFFFF) - 1)
 
 
 def _expand(order: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,10 @@ from tokengym.collectors.policies.protocol import Weights, check_fits_env, weigh
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
 from tokengym.collectors.policies.static_kv_cache import StaticSlotKVCache, static_capacity
 from tokengym.collectors.policies.static_waves import step_wave
+from tokengym.collectors.policies.vision_inputs import check_vision, slot_images, with_banned
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.devices import generator_device, input_device, output_device, seeded_generator
+from tokengym.llm_envs.vision import text_config, vision_token_ids
 from tokengym.llm_envs.waves import WaveRequest, WaveResult
 
 __all__ = ["TransformersPolicy"]
@@ -109,7 +111,10 @@ class TransformersPolicy(TensorDictModuleBase):
         self.model, self.sampling = model, sampling or SamplingConfig()
         # not a submodule: state_dict(), parameters() and .to() are the model's alone
         object.__setattr__(self, "env", _base_env(env))
-        config = model.config
+        self.is_vision = check_vision(model, self.env, decode)
+        if self.is_vision:  # placeholders the processor writes: never sampled
+            self.sampling = with_banned(self.sampling, vision_token_ids(model))
+        config = text_config(model.config)
         positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         check_fits_env(self.env, type(model).__name__, vocab_size=int(config.vocab_size), positions=positions,
                        sampling=self.sampling,
@@ -181,7 +186,8 @@ class TransformersPolicy(TensorDictModuleBase):
         self._dtype = _weight_dtype(self.model, self._embedding)
         B = self.env.batch_size[0]
         if self.decode == "dynamic":
-            self.cache = SlotKVCache(self.model, B, **self._sharing)
+            images = slot_images(self.env) if self.is_vision else None
+            self.cache = SlotKVCache(self.model, B, images=images, **self._sharing)
             return
         capacity = static_capacity(self.env.tokens.shape[-1])
         self.cache = StaticSlotKVCache(self.model, B, capacity=capacity, **self._sharing)
@@ -237,7 +243,8 @@ class TransformersPolicy(TensorDictModuleBase):
         """One ``model.generate`` call continuing every sequence of ``request`` (left-padded); with
         ``decode="static"`` or ``"graph"`` the wave runs on the stepping path's fixed-shape step instead
         (``static_waves.step_wave``: the same tokens for the same generator state
-        uncaptured, one replayed graph per token on CUDA).
+        uncaptured, one replayed graph per token on CUDA). A vision-language model's waves run on that step over its
+        dynamic cache, each row prefilled with its slot's images.
 
         Sampling goes through the same :func:`sample_tokens` and generator as stepping, so a wave is
         token-for-token what stepping would produce from the same state. When :attr:`interrupt` is set the wave
@@ -254,6 +261,15 @@ class TransformersPolicy(TensorDictModuleBase):
             actions, logp, raw = step_wave(self.cache, request, sampling=self.sampling, generator=self.generator,
                                            with_raw=self.return_raw_log_prob, interrupt=self.interrupt, graph=self.graph,
                                            pad_token_id=self.env.tokenizer.pad_token_id)  # fmt: skip
+        elif self.is_vision:  # the stepping path's step over the wave's rows, each prefilled with its slot's images
+            images, slots = self.cache.images, request.slots.tolist()
+            self.cache.images = lambda row: images(slots[row]) if row < len(slots) else None
+            try:
+                actions, logp, raw = step_wave(self.cache, request, sampling=self.sampling, generator=self.generator,
+                                               with_raw=self.return_raw_log_prob, interrupt=self.interrupt,
+                                               pad_token_id=self.env.tokenizer.pad_token_id)  # fmt: skip
+            finally:
+                self.cache.images = images
         else:
             actions, logp, raw = self._generate(request)
         T = actions.shape[1]
