@@ -224,6 +224,8 @@ class CollectorWorker:
             out.add_sequence(t * n + i, table.sequence(t))
         for t in table.own_prompt_trajs():
             out.add_trajectory_prompt(t * n + i, table.trajectory_prompt(t))
+        for t in table.image_trajs():
+            out.add_trajectory_images(t * n + i, table.trajectory_images(t, -1))
         batch.set_non_tensor(keys.PROMPTS, out)
         return batch
 

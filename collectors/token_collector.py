@@ -229,6 +229,8 @@ class TokenCollector(CollectorBase):
             self._remember_prompts(step.refilled)
         for traj, ids in self.base_env.pop_finished_sequences().items():
             self.prompts.add_sequence(traj, ids)
+        for traj, images in self.base_env.pop_finished_images().items():
+            self.prompts.add_trajectory_images(traj, images)
         parts = self.base_env.pop_parts()
         if parts:
             self.recorder.hold_parts(parts)

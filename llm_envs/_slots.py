@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from tokengym.llm_envs import keys
+from tokengym.llm_envs.image_inputs import ImageInputs
 from tokengym.llm_envs.prompts import Prompt
 
 __all__ = ["Slots", "write_prompts"]
@@ -89,6 +90,10 @@ class Slots:
         self._use_table(self.table, torch.zeros(B, dtype=torch.bool))
         self.done = torch.zeros(B, dtype=torch.bool)
         self.prompts: list[Prompt | None] = [None] * B
+        # each slot's images so far (a vision-language prompt's, then any its feedback showed), and those of finished
+        # trajectories whose feedback showed images, until a collector takes them
+        self.images: list[ImageInputs | None] = [None] * B
+        self.finished_images: dict[int, ImageInputs] = {}
         self.is_reset = False
         self.any_done = False  # True while a slot is done and not refilled: kept with ``done``
         self.flags: tuple = ()  # (done, terminated, truncated) (B, 1) of the last step, as its "next" holds them
@@ -175,6 +180,7 @@ class Slots:
         write_prompts(self.tokens, self.state, loaded, self.next_traj, table=self._live_table())
         for b, prompt in loaded:
             self.prompts[b] = prompt
+            self.images[b] = prompt.images
             self.done[b] = False
         self.next_traj += len(loaded)
         if self.waiting or self.closing:
@@ -195,6 +201,7 @@ class Slots:
         """Empty slot ``b``: no prompt (the source is exhausted, or its prompt failed and ``is_done``)."""
         s = self.state
         self.prompts[b] = None
+        self.images[b] = None
         s[keys.RESPONSE_LEN][b] = s[keys.TURN][b] = 0
         s[keys.ACTIVE][b] = False
         s[keys.SEQ_LEN][b] = s[keys.PROMPT_LEN][b] = 0  # a stale seq_len may equal max_length
@@ -227,6 +234,7 @@ class Slots:
         cap = self.closing.get(parent)
         for b, sample in zip(children, samples, strict=True):
             self.prompts[b] = dataclasses.replace(prompt, sample_id=sample)
+            self.images[b] = self.images[parent]  # a fork is within the current turn: every image so far
             self.episodes[b] = self.new_episode()
             self.closing.pop(b, None)
             if cap is not None and length == int(self.state[keys.SEQ_LEN][parent]):
@@ -308,11 +316,15 @@ class Slots:
         s[keys.TURN][slots] += 1
         return int(sizes.sum())
 
-    def write_feedback(self, appended: dict[int, torch.Tensor], new_len: torch.Tensor) -> None:
-        """Write the feedback ids after each slot's turn (before :meth:`continue_turns` moves it)."""
+    def write_feedback(self, appended: dict[int, torch.Tensor], new_len: torch.Tensor, *,
+                       images: dict[int, ImageInputs] | None = None) -> None:  # fmt: skip
+        """Write the feedback ids after each slot's turn (before :meth:`continue_turns` moves it), and add the images
+        they show to the slot's."""
         ends = new_len.tolist()
         for b, ids in appended.items():
             self.tokens[b, ends[b] : ends[b] + len(ids)] = ids
+        for b, inputs in (images or {}).items():
+            self.images[b] = ImageInputs.cat([self.images[b], inputs])
 
     def archive(self, done: torch.Tensor, new_len: torch.Tensor) -> None:
         """Keep the full sequences of the slots whose episode ended (one gather, then views of it)."""
@@ -325,6 +337,12 @@ class Slots:
             if len(self.finished) >= self.max_finished:
                 self.finished.pop(next(iter(self.finished)))
             self.finished[traj] = rows[i, :end]
+        for b, traj in zip(slots.tolist(), trajs, strict=True):
+            prompt = self.prompts[b]
+            if self.images[b] is not None and (prompt is None or self.images[b] is not prompt.images):
+                if len(self.finished_images) >= self.max_finished:
+                    self.finished_images.pop(next(iter(self.finished_images)))
+                self.finished_images[traj] = self.images[b]
 
     def state_dict(self) -> dict:
         """The slots' contents as plain data (a checkpoint loads with ``torch.load(weights_only=True)``)."""
@@ -338,8 +356,9 @@ class Slots:
             "next_episode": self.next_episode,
             "waiting": sorted(self.waiting),
             "closing": sorted([b, cap] for b, cap in self.closing.items()),
-            "prompts": [None if p is None else {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
-                        for p in self.prompts],  # fmt: skip
+            "prompts": [None if p is None else _prompt_state(p) for p in self.prompts],
+            "images": [None if x is None or (p is not None and x is p.images) else x.state_dict()
+                       for x, p in zip(self.images, self.prompts, strict=True)],  # fmt: skip
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -369,4 +388,20 @@ class Slots:
         self.failures = []
         self.waiting = set(state.get("waiting", []))
         self.closing = {int(b): int(cap) for b, cap in state.get("closing", [])}
-        self.prompts = [None if p is None else Prompt(**p) for p in state["prompts"]]
+        self.prompts = [None if p is None else _prompt_of(p) for p in state["prompts"]]
+        saved_images = state.get("images", [None] * len(self.prompts))
+        self.images = [ImageInputs.from_state_dict(x) if x is not None else (p.images if p is not None else None)
+                       for x, p in zip(saved_images, self.prompts, strict=True)]  # fmt: skip
+
+
+def _prompt_state(prompt: Prompt) -> dict:
+    """A prompt as plain data (its images as their tensors)."""
+    out = {f.name: getattr(prompt, f.name) for f in dataclasses.fields(prompt)}
+    if prompt.images is not None:
+        out["images"] = prompt.images.state_dict()
+    return out
+
+
+def _prompt_of(state: dict) -> Prompt:
+    images = state.get("images")
+    return Prompt(**{**state, "images": None if images is None else ImageInputs.from_state_dict(images)})

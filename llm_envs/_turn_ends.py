@@ -58,6 +58,9 @@ class TurnEnds:
         decode: the env's response decoder (rows of ids -> texts).
         encode: ``encode(item) -> (ids, text, metadata, messages)`` of a split episode's next prompt (as the source
             encodes a prompt item).
+        images: ``images(ids, images, where) -> (ids, ImageInputs)``: rendered feedback ids with their image
+            placeholders expanded, and the images' inputs (an env with a vision-language processor; ``None``: feedback
+            images are refused).
 
     Attributes:
         metrics: the env's turn counters: ``feedback_turns`` (turns that went on), ``feedback_tokens`` (tokens the
@@ -67,8 +70,9 @@ class TurnEnds:
 
     def __init__(self, slots: Slots, renderer: ChatRenderer | None, *, max_turns: int, max_length: int,
                  vocab_size: int, decode: Callable[[list[torch.Tensor]], list[str]],
-                 encode: Callable | None = None) -> None:  # fmt: skip
+                 encode: Callable | None = None, images: Callable | None = None) -> None:  # fmt: skip
         self.slots, self.renderer, self.decode, self.encode = slots, renderer, decode, encode
+        self.images = images
         self.max_turns, self.max_length, self.vocab_size = max_turns, max_length, vocab_size
         self.metrics = {"feedback_turns": 0, "feedback_tokens": 0, "feedback_did_not_fit": 0, "failed_episodes": 0}
         self.pending: _Wakes | None = None  # this step's waits and wakes, applied once it is committed (settle)
@@ -94,7 +98,8 @@ class TurnEnds:
         if self.renderer is None:
             self.check_single_turn(turns, results, who=handler.name)
         splits = {i: self.next_prompt(turns, i, r, who=handler.name) for i, r in enumerate(results) if r.new_trajectory}
-        appended, unfit = ({}, []) if self.renderer is None else self.feedback(turns, results, new_len, who=handler.name)
+        appended, unfit, shown = ({}, [], {}) if self.renderer is None else self.feedback(turns, results, new_len,
+                                                                                            who=handler.name)  # fmt: skip
         waits = [turns.slots[i] for i, r in enumerate(results) if r.wait and r.error is None and not turns.is_final[i]]
         if waits or overrides(handler, "wakes"):
             self.pending = self.prepare_wakes(handler, new_len, waits)
@@ -115,7 +120,7 @@ class TurnEnds:
             terminated, truncated = terminated.clone(), truncated.clone()
             rows = list(appended) + waits
             terminated[rows] = truncated[rows] = False
-            self.slots.write_feedback(appended, new_len)
+            self.slots.write_feedback(appended, new_len, images=shown)
         if self.renderer is not None:
             self.slots.archive(terminated | truncated, new_len)
         return TurnEnd(terminated=terminated, truncated=truncated, reward=reward, appended=appended)
@@ -243,22 +248,38 @@ class TurnEnds:
                              episodes=[episodes[b] for b in slots])  # fmt: skip
 
     def feedback(self, turns: FinishedTurns, results: list[Turn], new_len: torch.Tensor, *,
-                 who: str) -> tuple[dict[int, torch.Tensor], list[int]]:  # fmt: skip
-        """The ids to append per continuing slot (feedback given, the episode not over, and it fits), and the slots
-        whose feedback does not fit (their episode ends there)."""
-        appended, unfit, ends = {}, [], new_len.tolist()
+                 who: str) -> tuple[dict[int, torch.Tensor], list[int], dict]:  # fmt: skip
+        """The ids to append per continuing slot (feedback given, the episode not over, and it fits), the slots
+        whose feedback does not fit (their episode ends there), and the image inputs of feedback that shows images."""
+        appended, unfit, shown, ends = {}, [], {}, new_len.tolist()
         for i, (b, result) in enumerate(zip(turns.slots, results, strict=True)):
             if result.is_done or result.wait or turns.is_final[i]:
                 continue
             if isinstance(result.feedback, torch.Tensor):
+                if result.images:
+                    raise RewardFunctionError(f"{who} gave feedback token ids with images for slot {b}: give the "
+                                              'feedback as a text or chat messages with a {"type": "image"} item per '
+                                              "image (the env expands them)")  # fmt: skip
                 ids = self.checked_ids(result.feedback, turns.slots[i], who=who)
             else:
                 ids = self.renderer.feedback_ids(turns.response_ids[i], result.messages())
+            inputs = None
+            if result.images:
+                if self.images is None:
+                    raise RewardFunctionError(f"{who} gave feedback with {len(result.images)} image(s) for slot {b}, but "
+                                              "the env has no processor: build it with processor= (a vision-language "
+                                              "model's processor)")  # fmt: skip
+                try:
+                    ids, inputs = self.images(ids, result.images, f"{who}, slot {b}: ")
+                except (ValueError, TypeError, FileNotFoundError) as err:
+                    raise RewardFunctionError(str(err)) from err
             if ends[b] + len(ids) + 1 <= self.max_length:  # room for the feedback and one more token
                 appended[b] = ids
+                if inputs is not None:
+                    shown[b] = inputs
             else:
                 unfit.append(b)
-        return appended, unfit
+        return appended, unfit, shown
 
     def checked_ids(self, ids: torch.Tensor, slot: int, *, who: str) -> torch.Tensor:
         """Feedback ids a handler rendered itself, checked (int64, 1-D, in the vocabulary) and copied."""

@@ -30,7 +30,8 @@ import torch
 
 from tokengym.llm_envs.vision import is_vision_model
 
-__all__ = ["ImageInputs", "check_processor_fits", "encode_with_images", "image_token_id", "load_image"]
+__all__ = ["ImageInputs", "check_processor_fits", "encode_images_in_ids", "encode_with_images", "image_token_id",
+           "load_image"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -184,3 +185,28 @@ def check_processor_fits(processor, model_config) -> None:
     if want != have or (merge is not None and model_merge is not None and int(merge) != int(model_merge)):
         raise ValueError(f"the processor does not match the model: image token id {have} and merge size {merge}, the "
                          f"model's {want} and {model_merge}; load the processor from the model's directory")  # fmt: skip
+
+
+def encode_images_in_ids(processor, ids: torch.Tensor, images: Sequence, *, where: str = ""
+                         ) -> tuple[torch.Tensor, ImageInputs]:  # fmt: skip
+    """Rendered ids holding one image placeholder per image (a chat template's rendering of ``{"type": "image"}``
+    items) with each placeholder expanded to its image's tokens, and the images' :class:`ImageInputs`: what the
+    processor makes of the same text and images.
+
+    Raises:
+        ValueError: a number of placeholders other than the number of images.
+    """
+    token = image_token_id(processor)
+    at = (ids == token).nonzero().squeeze(-1).tolist()
+    if len(at) != len(images):
+        raise ValueError(f"{where}{len(at)} image placeholder(s) in the rendered feedback and {len(images)} image(s): "
+                         'give one {"type": "image"} item (or placeholder) per image, in order')  # fmt: skip
+    out = processor.image_processor(images=[load_image(x) for x in images], return_tensors="pt")
+    inputs = ImageInputs.of(out["pixel_values"], out["image_grid_thw"])
+    counts = inputs.tokens(int(processor.image_processor.merge_size))
+    pieces, start = [], 0
+    for i, n in zip(at, counts, strict=True):
+        pieces += [ids[start:i], torch.full((n,), token, dtype=torch.int64)]
+        start = i + 1
+    pieces.append(ids[start:])
+    return torch.cat(pieces), inputs

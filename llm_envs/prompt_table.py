@@ -48,6 +48,7 @@ class PromptTable:
         self._sequences: dict[int, torch.Tensor] = {}  # multi-turn: full token ids by trajectory id
         self._own: dict[int, torch.Tensor] = {}  # trajectories whose prompt is not their group's (an episode's later part)
         self._images: dict[int, ImageInputs] = {}  # groups whose prompt has images
+        self._traj_images: dict[int, ImageInputs] = {}  # multi-turn trajectories whose feedback showed images
 
     def add(self, group_id: int, ids: torch.Tensor, *, text: str = "", metadata: dict | None = None,
             images: ImageInputs | None = None) -> None:  # fmt: skip
@@ -120,10 +121,26 @@ class PromptTable:
         self._lookup(group_id, self._ids)
         return self._images.get(int(group_id))
 
+    def add_trajectory_images(self, traj_id: int, images: ImageInputs) -> None:
+        """Record every image of a multi-turn trajectory whose feedback showed images (its prompt's first)."""
+        if not isinstance(images, ImageInputs):
+            raise TypeError(f"images must be ImageInputs, got {type(images).__name__}")
+        self._traj_images[int(traj_id)] = images
+
+    def image_trajs(self) -> list[int]:
+        """Trajectory ids with images of their own recorded (:meth:`add_trajectory_images`)."""
+        return list(self._traj_images)
+
+    def trajectory_images(self, traj_id: int, group_id: int) -> ImageInputs | None:
+        """The images of trajectory ``traj_id`` of group ``group_id``, in the order their tokens appear: those
+        recorded for the trajectory (its feedback showed images), else its prompt's."""
+        held = self._traj_images.get(int(traj_id))
+        return held if held is not None else self.images(group_id)
+
     @property
     def has_images(self) -> bool:
-        """Whether any prompt held has images."""
-        return bool(self._images)
+        """Whether any prompt (or trajectory) held has images."""
+        return bool(self._images) or bool(self._traj_images)
 
     def subset(self, group_ids, traj_ids=None) -> PromptTable:
         """A new table with only ``group_ids`` and the sequences of ``traj_ids`` held (shares the tensors)."""
@@ -136,6 +153,8 @@ class PromptTable:
                     out.add_sequence(tid, self._sequences[tid])
                 if tid in self._own:
                     out.add_trajectory_prompt(tid, self._own[tid])
+                if tid in self._traj_images:
+                    out.add_trajectory_images(tid, self._traj_images[tid])
         return out
 
     def merge(self, other: PromptTable) -> PromptTable:
@@ -154,6 +173,7 @@ class PromptTable:
         for tid in other.traj_ids():
             self._sequences[tid] = other.sequence(tid)
         self._own.update(other._own)
+        self._traj_images.update(other._traj_images)
         return self
 
     def left_padded(self, group_ids: torch.Tensor, *, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +195,8 @@ class PromptTable:
         return {"groups": groups, "ids": [self._ids[g] for g in groups], "text": [self._text[g] for g in groups],
                 "metadata": [self._meta[g] for g in groups], "sequences": dict(self._sequences),
                 "own_prompts": dict(self._own), "pad_token_id": self.pad_token_id, "sampling": sampling,
-                "images": {g: x.state_dict() for g, x in self._images.items()}}  # fmt: skip
+                "images": {g: x.state_dict() for g, x in self._images.items()},
+                "trajectory_images": {t: x.state_dict() for t, x in self._traj_images.items()}}  # fmt: skip
 
     @classmethod
     def from_state_dict(cls, state: dict) -> PromptTable:
@@ -188,6 +209,8 @@ class PromptTable:
             out.add_sequence(tid, ids)
         for tid, ids in state.get("own_prompts", {}).items():
             out.add_trajectory_prompt(tid, ids)
+        for tid, images in state.get("trajectory_images", {}).items():
+            out.add_trajectory_images(tid, ImageInputs.from_state_dict(images))
         return out
 
     def __repr__(self) -> str:

@@ -25,7 +25,7 @@ from tokengym.llm_envs._step_core import StepCore
 from tokengym.llm_envs._stop import StopChecker
 from tokengym.llm_envs._turn_ends import TurnEnds
 from tokengym.llm_envs.errors import PromptError
-from tokengym.llm_envs.image_inputs import check_processor_fits
+from tokengym.llm_envs.image_inputs import ImageInputs, check_processor_fits, encode_images_in_ids
 from tokengym.llm_envs.prompts import Prompt, PromptSource
 from tokengym.llm_envs.turns.protocol import EnvFacts, HeldEpisode, TurnHandler
 from tokengym.llm_envs.turns.render import ChatRenderer
@@ -175,7 +175,8 @@ class TokenEnv(EnvBase):
         self._slots = Slots(self.batch_size[0], self.max_length)
         self._turn_ends = TurnEnds(self._slots, self._renderer, max_turns=self.max_turns, max_length=self.max_length,
                                    vocab_size=self.vocab_size, decode=self.decode_responses,
-                                   encode=self._encode_observation)  # fmt: skip
+                                   encode=self._encode_observation,
+                                   images=None if self.processor is None else self._feedback_images)  # fmt: skip
         self._loader = PromptLoader(self._slots, max_length=self.max_length, vocab_size=self.vocab_size,
                                     encode=self._encode_observation, counts=self._turn_ends.metrics,
                                     wake=self._turn_ends.wake_now)  # fmt: skip
@@ -204,6 +205,10 @@ class TokenEnv(EnvBase):
         chat = item.get("prompt", item.get("messages")) if isinstance(item, Mapping) else item
         is_chat = isinstance(chat, list | tuple) and bool(chat) and all(isinstance(m, Mapping) for m in chat)
         return ids, text, meta, [dict(m) for m in chat] if is_chat else None
+
+    def _feedback_images(self, ids: torch.Tensor, images, where: str):
+        """Rendered feedback ids with their image placeholders expanded, and the images' inputs."""
+        return encode_images_in_ids(self.processor, ids, images, where=where)
 
     def _set_seed(self, seed: int | None) -> None:
         if seed is not None:
@@ -266,6 +271,20 @@ class TokenEnv(EnvBase):
     def slot_prompt(self, slot: int) -> Prompt | None:
         """The prompt the slot is working on (``None`` once the source is exhausted)."""
         return self._slots.prompts[slot]
+
+    def slot_images(self, slot: int) -> ImageInputs | None:
+        """The images ``slot``'s trajectory holds so far (its prompt's, then those its feedback showed), in the order
+        their tokens appear; ``None`` without images."""
+        return self._slots.images[slot]
+
+    def pop_finished_images(self) -> dict[int, ImageInputs]:
+        """The images of multi-turn trajectories that ended since the last call and hold more than their prompt's
+        (feedback showed images), by trajectory id; a collector records them in its prompt table."""
+        slots = self._slots
+        if not slots.finished_images:
+            return {}
+        out, slots.finished_images = slots.finished_images, {}
+        return out
 
     def response_ids(self, slot: int) -> torch.Tensor:
         """Token ids generated so far in ``slot``'s current turn (a view into ``tokens``)."""

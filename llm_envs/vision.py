@@ -65,32 +65,32 @@ def mrope_positions(ids: torch.Tensor, image_grid_thw: torch.Tensor | None, *, i
     ids = ids.reshape(-1).cpu()
     grids = [] if image_grid_thw is None else [tuple(int(x) for x in g) for g in image_grid_thw.reshape(-1, 3).tolist()]
     is_image = ids == image_token_id
+    n = ids.numel()
+    # runs of text or image tokens: their starts, from one comparison (no per-token Python)
+    starts = [0, *((is_image[1:] != is_image[:-1]).nonzero().squeeze(-1) + 1).tolist()] if n else []
     parts: list[torch.Tensor] = []
-    start, i, n, at = 0, 0, ids.numel(), 0  # next position; index in ids; length; next grid
-    while i < n:
+    start, at = 0, 0  # next position; next grid
+    for k, i in enumerate(starts):
+        j = starts[k + 1] if k + 1 < len(starts) else n
         if not bool(is_image[i]):
-            j = i
-            while j < n and not bool(is_image[j]):
-                j += 1
             parts.append(torch.arange(start, start + j - i).expand(3, -1))
             start += j - i
-            i = j
             continue
-        if at >= len(grids):
-            raise ValueError(f"mrope_positions: more images in the ids than the {len(grids)} grid(s) given; pass "
-                             "each image's image_grid_thw, in order")  # fmt: skip
-        t, h, w = grids[at][0], grids[at][1] // merge_size, grids[at][2] // merge_size
-        size = t * h * w
-        if i + size > n or not bool(is_image[i : i + size].all()) or (i + size < n and bool(is_image[i + size])):
-            run = int(is_image[i:].int().cumprod(0).sum())
-            raise ValueError(f"mrope_positions: image {at} has a {grids[at]} grid, {size} tokens at merge size "
-                             f"{merge_size}, but its run in the ids holds {run}: ids and grids from different "
-                             "images, or a merge size not the model's")  # fmt: skip
-        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
-        parts.append(grid.reshape(3, -1) + start)
-        start += max(t, h, w)
-        i += size
-        at += 1
+        while i < j:  # an image run may hold several images back to back
+            if at >= len(grids):
+                raise ValueError(f"mrope_positions: more images in the ids than the {len(grids)} grid(s) given; pass "
+                                 "each image's image_grid_thw, in order")  # fmt: skip
+            t, h, w = grids[at][0], grids[at][1] // merge_size, grids[at][2] // merge_size
+            size = t * h * w
+            if i + size > j or (i + size < j and at + 1 >= len(grids)):
+                raise ValueError(f"mrope_positions: image {at} has a {grids[at]} grid, {size} tokens at merge size "
+                                 f"{merge_size}, but its run in the ids holds {j - i}: ids and grids from different "
+                                 "images, or a merge size not the model's")  # fmt: skip
+            grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+            parts.append(grid.reshape(3, -1) + start)
+            start += max(t, h, w)
+            i += size
+            at += 1
     if at != len(grids):
         raise ValueError(f"mrope_positions: {len(grids)} image grid(s) given but {at} image(s) in the ids")
     positions = torch.cat(parts, 1) if parts else torch.zeros(3, 0, dtype=torch.int64)

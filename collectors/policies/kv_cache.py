@@ -376,16 +376,19 @@ class SlotKVCache:
                 ids[i, width - len(seg) :] = seg
                 seg_mask[i, width - len(seg) :] = 1
         positions = (self.length[rows, None] + self.delta[rows, None] + seg_mask.cumsum(-1) - 1).clamp(min=0)
+        shown = self._segment_images(rows, segments, positions) if self.vision is not None else None
         self.length[rows] += seg_mask.sum(-1)
         # rows, ids, positions and mask in one host-to-device copy
         packed = torch.cat([rows[:, None], ids, positions, seg_mask], 1).to(self.device, non_blocking=True)
         rows, ids = packed[:, 0], packed[:, 1 : width + 1]
         positions, seg_mask = packed[:, width + 1 : 2 * width + 1], packed[:, 2 * width + 1 :]
+        extra = {}
+        if shown is not None:  # feedback with images: their M-RoPE positions and pixels
+            positions, extra = shown[0].to(self.device), shown[1].model_inputs(self.device)
         attention = torch.cat([self.mask[rows], seg_mask], dim=1)
         sub = self._new_cache([(k[rows.to(k.device)], v[rows.to(v.device)]) for k, v in self.kv])
         self.model(input_ids=ids, attention_mask=self._block_mask(attention, width), position_ids=positions,
-                   past_key_values=sub,
-                   logits_to_keep=1)  # fmt: skip
+                   past_key_values=sub, logits_to_keep=1, **extra)  # fmt: skip
         self.append_columns(width)
         for i, layer in enumerate(sub.layers):
             k, v = self.kv[i]
@@ -393,6 +396,34 @@ class SlotKVCache:
             k[at], v[at] = layer.keys, layer.values
         self.mask[rows] = attention
         self.compact()
+
+    def _segment_images(self, rows: torch.Tensor, segments: list[torch.Tensor], positions: torch.Tensor):
+        """Segments that show images (multi-turn feedback): (M-RoPE positions (3, n, width) of every segment, the new
+        images' inputs in row order), each such row's delta moved past its images; ``None`` when no segment has an
+        image token (``positions``, their text positions, stay)."""
+        image_id, merge = self.vision
+        width = positions.shape[1]
+        out, new = None, []
+        for i, (r, seg) in enumerate(zip(rows.tolist(), segments, strict=True)):
+            is_image = seg == image_id
+            runs = int((is_image[1:] & ~is_image[:-1]).sum()) + int(bool(is_image[:1].any())) if len(seg) else 0
+            if not runs:
+                continue
+            held = self.images(r) if self.images is not None else None
+            if held is None or held.num_images < runs:
+                raise ValueError(f"row {r}'s new tokens hold {runs} image(s) but its slot has "
+                                 f"{0 if held is None else held.num_images}: feedback image tokens without their images")  # fmt: skip
+            grids = held.image_grid_thw[held.num_images - runs :]
+            patches = int(grids.prod(-1).sum())
+            inputs = ImageInputs.of(held.pixel_values[held.pixel_values.shape[0] - patches :], grids)
+            seg_positions, delta = mrope_positions(seg, grids, image_token_id=image_id, merge_size=merge)
+            if out is None:
+                out = positions.expand(3, -1, -1).clone()
+            start = int(self.length[r] + self.delta[r])
+            out[:, i, width - len(seg) :] = seg_positions + start
+            self.delta[r] += delta
+            new.append(inputs)
+        return None if out is None else (out, ImageInputs.cat(new))
 
     # -- stepping --
     @torch.inference_mode()

@@ -232,7 +232,7 @@ def probe_ids(tokenizer, n: int = 2048) -> list[int]:
 
 def check_fits_env(env, backend: str, *, vocab_size: int | None, positions: int | None, length_fix: str,
                    sampling: SamplingConfig | None = None, probe_text: str | None = None,
-                   tokenizer_fix: str = "save the env's tokenizer with the model") -> None:  # fmt: skip
+                   tokenizer_fix: str = "save the env's tokenizer with the model", takes_images: bool = False) -> None:  # fmt: skip
     """Raise a ``ValueError`` naming ``backend`` and the fix when it does not fit ``env``; every backend calls it.
 
     Checked (``None`` skips what a backend cannot tell): the model's ``vocab_size`` covers the env tokenizer
@@ -240,7 +240,7 @@ def check_fits_env(env, backend: str, *, vocab_size: int | None, positions: int 
     ``max_model_len``) holds the env's ``max_length`` (else ``length_fix``, where ``{positions}`` is
     replaced); ``sampling``'s banned ids are in the vocabulary and leave a token to sample; ``probe_text``,
     the backend's decoding of ``probe_ids()`` of the env tokenizer, is the env tokenizer's (stop strings
-    are found in decoded text).
+    are found in decoded text); an env that renders images (a ``processor``) needs a backend that ``takes_images``.
 
     Example:
         >>> from tokengym.testing import tiny_tokenizer
@@ -251,6 +251,10 @@ def check_fits_env(env, backend: str, *, vocab_size: int | None, positions: int 
         ValueError: the env holds sequences of up to max_length=64 tokens but MyModel has 32 positions; use max_length=32
     """
     env = getattr(env, "base_env", env)
+    if getattr(env, "processor", None) is not None and not takes_images:
+        raise ValueError(f"the env's prompts carry images (processor={type(env.processor).__name__}) but {backend} "
+                         "does not take images: generate with TransformersPolicy and a vision-language model (tokengym's "
+                         "vLLM policies do not pass images yet)")  # fmt: skip
     if vocab_size is not None:
         _check_vocab(env, backend, int(vocab_size), sampling)
     if positions is not None and env.max_length > int(positions):

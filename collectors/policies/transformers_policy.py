@@ -117,7 +117,7 @@ class TransformersPolicy(TensorDictModuleBase):
         config = text_config(model.config)
         positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         check_fits_env(self.env, type(model).__name__, vocab_size=int(config.vocab_size), positions=positions,
-                       sampling=self.sampling,
+                       sampling=self.sampling, takes_images=self.is_vision,
                        length_fix="build the env with model_config=model.config (or max_length <= {positions})")  # fmt: skip
         self.return_raw_log_prob = return_raw_log_prob
         self._sharing = {"share_prefixes": bool(share_prefixes), "prefix_cache_bytes": prefix_cache_bytes}

@@ -37,10 +37,5 @@ def with_banned(sampling, ids: list[int]):
 
 
 def slot_images(env):
-    """``images(slot)``: the image inputs of the prompt the env's ``slot`` holds, or ``None``."""
-
-    def images(slot: int):
-        prompt = env.slot_prompt(slot)
-        return None if prompt is None else prompt.images
-
-    return images
+    """``images(slot)``: the images the env's ``slot`` holds so far (its prompt's, then its feedback's), or ``None``."""
+    return env.slot_images

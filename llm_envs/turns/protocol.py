@@ -132,6 +132,10 @@ class Turn:
             ``failed_episodes``.
         wait: set by :meth:`waiting`: the turn ends, the episode goes on, and the slot waits (it holds its tokens,
             inactive: it produces no step) until the handler wakes it (:class:`Wake`); the reward is given now.
+        images: images the feedback shows (a game board, a screenshot: PIL images, arrays or paths), for an env
+            with a vision-language ``processor``: the feedback (a text or chat messages) holds one image placeholder
+            per image (a ``{"type": "image"}`` item of a message's content); the env expands each as the processor
+            does and the trajectory's later tokens see them.
 
     Example:
         >>> Turn(1.0).is_done, Turn(0.0, "try again").is_done, Turn(0.5, "ok", done=True).is_done
@@ -149,6 +153,7 @@ class Turn:
     new_trajectory: bool = False
     error: str | BaseException | None = None
     wait: bool = False
+    images: Sequence | None = None
 
     @classmethod
     def waiting(cls, reward: float = 0.0) -> Turn:

@@ -56,8 +56,8 @@ class ChatRenderer:
 
     def render(self, messages: Sequence[dict]) -> torch.Tensor:
         """Ids of ``messages`` plus the generation prompt after an assistant turn (a cached tensor: do not write)."""
-        key = tuple((m["role"], m["content"]) if len(m) == 2 else json.dumps(dict(m), sort_keys=True, default=str)
-                    for m in messages)  # fmt: skip
+        key = tuple((m["role"], m["content"]) if len(m) == 2 and isinstance(m["content"], str)
+                    else json.dumps(dict(m), sort_keys=True, default=str) for m in messages)  # fmt: skip
         ids = self._cache.pop(key, None)
         if ids is None:
             ids = self._render(messages)

@@ -2,6 +2,8 @@
 cache (M-RoPE positions, the per-row rope delta), on waves, across forks and a resume; each log-prob checked against
 one teacher-forced forward of the whole sequence with its images, computed here by hand."""
 
+import io
+
 import pytest
 import torch
 from PIL import Image
@@ -11,6 +13,7 @@ from tokengym.collectors.branching import EntropyRule, SegmentRule
 from tokengym.collectors.policies import TransformersPolicy
 from tokengym.llm_envs import TokenEnv, keys, mrope_positions, vision_token_ids
 from tokengym.llm_envs.tasks.visual import digit_reading_prompts, shape_count_prompts
+from tokengym.llm_envs.turns import Turn, TurnHandler
 from tokengym.testing import tiny_model, tiny_tokenizer, tiny_vl_model, tiny_vl_processor, tiny_vl_tokenizer
 
 
@@ -125,7 +128,10 @@ def test_a_checkpoint_with_images_in_flight_resumes_exactly(vl, source):
     first = make(vl, source=source, batch=2, seed=3)
     batches = iter(first)
     next(batches)
-    state = first.state_dict()
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)  # what a checkpoint file holds: tensors and plain data
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
     expected = [next(batches) for _ in range(2)]
     resumed = make(vl, source=source, batch=2, seed=3)
     resumed.load_state_dict(state)
@@ -136,6 +142,68 @@ def test_a_checkpoint_with_images_in_flight_resumes_exactly(vl, source):
         tx, ty = x.get_non_tensor(keys.PROMPTS), y.get_non_tensor(keys.PROMPTS)
         for group in tx.group_ids():
             assert tx.images(group) is None or tx.images(group).digest == ty.images(group).digest
+
+
+class ShowsABoard(TurnHandler):
+    """Answers an episode's first turn with a drawn number to read (an image) and ends it after the second."""
+
+    def __init__(self):
+        self.boards = [item["images"][0] for item in digit_reading_prompts(4, seed=3)]
+
+    def end_turns(self, turns):
+        look = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and this one?"}]}]
+        return [Turn(0.0, feedback=look, images=[self.boards[episode % 4]]) if turn == 0 else Turn(1.0)
+                for episode, turn in zip(turns.episodes, turns.turns, strict=True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("source", ["step", "wave"])
+def test_a_multi_turn_episode_whose_feedback_shows_an_image_equals_teacher_forcing(vl, source):
+    """The feedback's image is expanded into the slot and prefilled with its pixels at its M-RoPE positions; the
+    trajectory's images (prompt's, then feedback's) are recorded once in the prompt table; every log-prob of both
+    turns equals one forward of the whole episode with both images."""
+    tok, processor, model = vl
+    items = [*shape_count_prompts(3, seed=1), {"prompt": "text only prompt"}]
+    env = TokenEnv(items, tok, turns=ShowsABoard(), max_turns=2, batch_size=4, group_size=2, max_new_tokens=12,
+                   max_turn_tokens=5, processor=processor, model_config=model.config, max_length=400)  # fmt: skip
+    policy = TransformersPolicy(model, env, seed=1)
+    batch = next(iter(TokenCollector(env, policy, mode="trajectories", batch_size=8, source=source)))
+    table, banned = batch.get_non_tensor(keys.PROMPTS), torch.tensor(policy.sampling.banned_token_ids)
+    worst, counts = 0.0, set()
+    for row in range(batch.shape[0]):
+        mask, traj = batch[keys.MASK][row], int(batch[keys.TRAJ_ID][row, 0])
+        full, images = table.sequence(traj), table.trajectory_images(traj, int(batch[keys.GROUP_ID][row, 0]))
+        counts.add(images.num_images)
+        at, actions = batch[keys.SEQ_LEN][row][mask], batch[keys.ACTION][row][mask]
+        assert torch.equal(full[at], actions) and int(batch[keys.TURN][row][mask].max()) == 1  # both turns' tokens
+        forced_all = torch.zeros(len(full))
+        forced_all[1:] = forced(model, full, images, banned.tolist())
+        worst = max(worst, float((forced_all[at] - batch[keys.ACTION_LOG_PROB][row][mask]).abs().max()))
+    assert counts == {1, 2}  # the text prompt's episodes hold the board alone
+    assert worst < 1e-5, worst
+
+
+def test_feedback_images_without_a_processor_or_with_token_ids_name_the_fix(vl):
+    from tokengym.errors import RewardFunctionError
+
+    tok, processor, model = vl
+    image = shape_count_prompts(1)[0]["images"][0]
+
+    class Gives(TurnHandler):
+        def __init__(self, feedback):
+            self.feedback = feedback
+
+        def end_turns(self, turns):
+            return [Turn(0.0, feedback=self.feedback, images=[image]) for _ in turns.slots]
+
+    for env_args, feedback, match in [({}, "look: <|image_pad|>", "no processor"),
+                                      ({"processor": processor}, torch.tensor([5, 6]), "token ids with images"),
+                                      ({"processor": processor}, "no placeholder", "0 image placeholder")]:  # fmt: skip
+        env = TokenEnv(["hi"], tok, turns=Gives(feedback), max_turns=2, batch_size=1, max_new_tokens=6,
+                       max_turn_tokens=2, max_length=200, model_config=model.config, **env_args)  # fmt: skip
+        td = env.reset()
+        with pytest.raises(RewardFunctionError, match=match):
+            for _ in range(3):
+                td = env.step_and_maybe_reset(td.set("action", torch.tensor([7])))[1]
 
 
 def test_an_env_with_images_and_a_text_only_model_is_refused(vl):

@@ -319,6 +319,18 @@ def test_directory_that_does_not_match_the_env_tokenizer(qwen2):
         VLLMPolicy(str(qwen2.path), env, engine_kwargs=ENGINE)
 
 
+def test_an_env_with_images_is_refused_naming_the_backend_that_takes_them(qwen2):
+    """vLLM's CPU build here cannot import its Qwen2-VL (it needs torchvision): tokengym's vLLM policies do not pass
+    images, and refuse an env that renders them rather than generate without them."""
+    from tokengym.llm_envs.tasks.visual import shape_count_prompts
+    from tokengym.testing import tiny_vl_processor, tiny_vl_tokenizer
+
+    tok = tiny_vl_tokenizer()
+    env = TokenEnv(shape_count_prompts(2), tok, processor=tiny_vl_processor(tok), max_new_tokens=8, max_length=128)
+    with pytest.raises(ValueError, match="does not take images: generate with TransformersPolicy"):
+        qwen2.policy(env)
+
+
 def test_prompt_longer_than_the_engine_allows(qwen2):
     policy = qwen2.policy(qwen2.env())
     prompt = torch.arange(2, 122)  # 120 tokens + 10 new > max_model_len 128
