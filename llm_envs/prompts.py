@@ -396,6 +396,11 @@ class PromptSource:
         """Token ids, text and metadata of one item; raises ``ValueError`` for an empty prompt."""
         return self._encode_item(item, index)[:3]
 
+    def encode_with_images(self, item, index: int) -> tuple[torch.Tensor, ImageInputs | None]:
+        """Token ids of one item (its image placeholders expanded) and its images' inputs (``None`` without)."""
+        encoded = self._encode_item(item, index)
+        return encoded[0], encoded[4]
+
     def _encode_item(self, item, index: int) -> tuple:
         """:meth:`encode` plus the chat messages of a chat prompt and the prompt's image inputs (``None`` for a
         prompt without)."""

@@ -1,6 +1,8 @@
 """tokengym.warm_start.supervised_warm_start (the demo's and the recipe's warm start): the loss falls, it teaches a
 tiny model the answers, renders chat prompts as the env does, and names bad input."""
 
+import copy
+
 import pytest
 import torch
 
@@ -56,3 +58,23 @@ def test_bad_input_names_the_value(tok, kwargs, error, match):
     args = {"targets": PROBLEMS, "steps": 1, **kwargs}
     with pytest.raises(error, match=match):
         supervised_warm_start(tiny_model(tok), tok, args.pop("targets"), args.pop("steps"), **args)
+
+
+def test_a_warm_start_on_prompts_with_images_passes_them_to_the_model():
+    """Targets with images (a visual task's items) go through the processor; the loss falls, and the images matter:
+    the same targets scored without their pixels (blank images) give another loss."""
+    from tokengym.llm_envs.tasks.visual import shape_count_prompts
+    from tokengym.testing import tiny_vl_model, tiny_vl_processor, tiny_vl_tokenizer
+
+    tok = tiny_vl_tokenizer()
+    processor, model = tiny_vl_processor(tok), tiny_vl_model(tok)
+    items = shape_count_prompts(8, seed=0)
+    losses = supervised_warm_start(model, tok, items, steps=15, processor=processor)
+    assert losses[-1] < losses[0] / 2
+    blank = [{**item, "images": [item["images"][0].point(lambda _: 255)]} for item in items]
+    fresh = tiny_vl_model(tok)  # the loss before any step, with the images and with blank ones
+    again = supervised_warm_start(copy.deepcopy(fresh), tok, items, steps=1, processor=processor)[0]
+    other = supervised_warm_start(copy.deepcopy(fresh), tok, blank, steps=1, processor=processor)[0]
+    assert abs(again - other) > 1e-3
+    with pytest.raises(ValueError, match="processor="):
+        supervised_warm_start(model, tok, items, steps=1)

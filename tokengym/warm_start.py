@@ -11,13 +11,16 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from tokengym.llm_envs import PromptSource, is_vision_model, mrope_positions
+from tokengym.llm_envs.image_inputs import ImageInputs
+
 __all__ = ["supervised_warm_start"]
 
 _IGNORE = -100  # the label transformers' cross-entropy leaves out
 
 
 def supervised_warm_start(model, tokenizer, targets: Sequence[Mapping], steps: int, *,
-                          lr: float = 3e-3) -> list[float]:  # fmt: skip
+                          lr: float = 3e-3, processor=None) -> list[float]:  # fmt: skip
     """Train ``model`` for ``steps`` Adam steps on ``answer + eos`` after each prompt; returns each step's loss.
 
     Every step is one batch of all the targets, left-padded so that each answer ends at the last column; the loss
@@ -32,6 +35,8 @@ def supervised_warm_start(model, tokenizer, targets: Sequence[Mapping], steps: i
             problem here is no longer held out.
         steps: optimizer steps (0: nothing happens).
         lr: Adam learning rate (a fresh optimizer).
+        processor: a vision-language model's processor: targets may then carry ``images`` (as prompts do,
+            :class:`~tokengym.llm_envs.PromptSource`), rendered and passed to the model with their multimodal positions.
 
     Raises:
         ValueError, TypeError: bad ``steps``, ``lr`` or ``targets`` (an item without ``prompt`` or ``answer``).
@@ -49,15 +54,18 @@ def supervised_warm_start(model, tokenizer, targets: Sequence[Mapping], steps: i
         raise ValueError(f"lr must be a number > 0, got {lr!r}")
     if steps == 0:
         return []
-    ids, labels, attention = _batch(tokenizer, targets)
+    ids, labels, attention, images = _batch(tokenizer, targets, processor)
     device = next(model.parameters()).device
     ids, labels, attention = ids.to(device), labels.to(device), attention.to(device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding: each sequence's positions start at 0
+    extra = {}
+    if any(x is not None for x in images):
+        positions, extra = _image_inputs(model, ids, attention, images)
     optim = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     losses = []
     for _ in range(steps):
-        out = model(input_ids=ids, attention_mask=attention, position_ids=positions, labels=labels)
+        out = model(input_ids=ids, attention_mask=attention, position_ids=positions, labels=labels, **extra)
         optim.zero_grad()
         out.loss.backward()
         optim.step()
@@ -66,16 +74,40 @@ def supervised_warm_start(model, tokenizer, targets: Sequence[Mapping], steps: i
     return torch.stack(losses).tolist()  # one host copy, not one per step
 
 
-def _batch(tokenizer, targets: Sequence[Mapping]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-padded ``prompt + answer + eos`` ids (B, T), labels on the answer only (B, T), attention mask (B, T)."""
+def _image_inputs(model, ids: torch.Tensor, attention: torch.Tensor, images: list) -> tuple[torch.Tensor, dict]:
+    """M-RoPE positions (3, B, T) of left-padded rows and their images' model inputs."""
+    if not is_vision_model(model):
+        raise ValueError(f"targets with images need a vision-language model, got {type(model).__name__}")
+    config = model.config
+    positions = torch.zeros(3, *ids.shape, dtype=torch.int64)
+    for row, held in enumerate(images):
+        real = attention[row].bool().cpu()
+        grid = None if held is None else held.image_grid_thw
+        positions[:, row, real], _ = mrope_positions(ids[row].cpu()[real], grid, image_token_id=config.image_token_id,
+                                                     merge_size=config.vision_config.spatial_merge_size)  # fmt: skip
+    return positions.to(ids.device), ImageInputs.cat(images).model_inputs(ids.device)
+
+
+def _batch(tokenizer, targets: Sequence[Mapping], processor=None) -> tuple:
+    """Left-padded ``prompt + answer + eos`` ids (B, T), labels on the answer only (B, T), attention mask (B, T), and
+    each row's images (``ImageInputs`` or ``None``)."""
     if isinstance(targets, str | bytes | Mapping) or not isinstance(targets, Sequence) or not targets:
         raise TypeError(f"targets must be a non-empty list of {{'prompt': ..., 'answer': ...}}, got {targets!r:.80}")
-    rows = []
+    rows, images = [], []
+    source = None if processor is None else PromptSource(list(targets), tokenizer, processor=processor)
     for i, target in enumerate(targets):
         if not isinstance(target, Mapping) or "prompt" not in target or "answer" not in target:
             raise TypeError(f"target {i} must be a mapping with 'prompt' and 'answer', got {target!r:.80}")
         answer = tokenizer(str(target["answer"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if target.get("images") or target.get("image") is not None:
+            if source is None:
+                raise ValueError(f"target {i} carries images: pass processor= (the vision-language model's)")
+            prompt, held = source.encode_with_images(target, i)
+            rows.append((prompt.tolist(), answer))
+            images.append(held)
+            continue
         rows.append((_prompt_ids(tokenizer, target["prompt"], i), answer))
+        images.append(None)
     width = max(len(a) + len(b) for a, b in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     labels = torch.full((len(rows), width), _IGNORE)
@@ -85,7 +117,7 @@ def _batch(tokenizer, targets: Sequence[Mapping]) -> tuple[torch.Tensor, torch.T
         ids[i, width - len(seq) :] = torch.tensor(seq)
         labels[i, width - len(answer) :] = torch.tensor(answer)
         attention[i, width - len(seq) :] = 1
-    return ids, labels, attention
+    return ids, labels, attention, images
 
 
 def _prompt_ids(tokenizer, prompt, i: int) -> list[int]:
