@@ -5,13 +5,14 @@ The collectors' policy, the KL transform (reference log-probs) and the losses sh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from tensordict import TensorDictBase
 
 from tokengym.llm_envs import keys
-from tokengym.llm_envs.devices import input_device
+from tokengym.llm_envs.image_inputs import ImageInputs
 from tokengym.llm_envs.prompt_table import PromptTable
 from tokengym.transforms._checks import (
     check_batch,
@@ -20,32 +21,38 @@ from tokengym.transforms._checks import (
     require,
     valid_mask,
 )
+from tokengym.transforms.image_rows import forward_inputs, row_images
 from tokengym.transforms.token_log_probs import TokenScorer, final_hidden_states
 
 __all__ = ["SequenceLayout", "sequence_log_probs", "sequence_layout", "step_log_probs",
            "check_trajectory_rows"]
 
 
-def sequence_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, *,
-                       temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
+def sequence_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
+                       images: Sequence[ImageInputs | None] | None = None) -> torch.Tensor:  # fmt: skip
     """Log-prob of each token given its prefix, from one forward of a transformers causal LM.
 
     Position ids come from the attention mask, so left padding scores exactly like no padding. The model runs on its
     own device (the inputs go there); the result is on ``tokens``' device. Memory: the last hidden states and one
     chunk of logits at a time (:class:`~tokengym.transforms.TokenScorer`), never (N, L, V), for a model that exposes
-    its decoder and output layer (``get_decoder``, ``get_output_embeddings``); another model's whole logits.
+    its decoder and output layer (``get_decoder``, ``get_output_embeddings``); another model's whole logits. A
+    vision-language model takes each row's ``images`` and M-RoPE positions
+    (``tokengym.transforms.image_rows.forward_inputs``).
 
     Args:
         model: a transformers causal LM (anything returning ``.logits`` of shape (N, L, V)).
         tokens: int64 (N, L) token ids.
         attention_mask: bool or int (N, L); False/0 on padding.
         temperature: logits are divided by it before the softmax (> 0).
+        images: each row's ``ImageInputs`` (``None`` for a row without), or ``None`` for rows without images
+            (``tokengym.transforms.image_rows.row_images``).
 
     Returns:
         float32 (N, L): ``out[:, j] = log p(tokens[:, j] | tokens[:, :j])``; 0 on padding and on each row's first real token.
 
     Raises:
-        ValueError: on shape mismatch or ``temperature <= 0``.
+        ValueError: on shape mismatch, ``temperature <= 0``, images for a text-only model, or a row's image tokens
+            without their images.
 
     Example:
         >>> from tokengym.testing import tiny_tokenizer, tiny_model
@@ -63,10 +70,9 @@ def sequence_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor
         raise ValueError(
             f"attention_mask must have the shape of tokens {tuple(tokens.shape)}, got {tuple(attention_mask.shape)}"
         )
-    home, device = tokens.device, input_device(model)
-    tokens, attention_mask = tokens.to(device), attention_mask.to(device).long()
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    split = final_hidden_states(model, input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids)
+    home, attention_mask = tokens.device, attention_mask.long()
+    inputs = forward_inputs(model, tokens, attention_mask, images, owner="sequence_log_probs")
+    split = final_hidden_states(model, **inputs)
     if split is not None:  # the output layer per chunk of scored tokens: no (N, L, V) logits
         hidden, head, softcap = split
         tokens, attention_mask = tokens.to(hidden.device), attention_mask.to(hidden.device)
@@ -77,7 +83,7 @@ def sequence_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor
         result = torch.zeros(tokens.shape, dtype=torch.float32, device=hidden.device)
         result[scored] = scorer.log_probs(rows, tokens[scored])
         return result.to(home)
-    out = model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    out = model(**inputs, use_cache=False)
     logits = out.logits[:, :-1].float()  # (N, L-1, V) on the model's output device
     if temperature != 1.0:
         logits = logits / temperature
@@ -128,6 +134,9 @@ class SequenceLayout(NamedTuple):
         columns: int64 (N, T): the column of step ``t``'s action. Valid steps sit at
             ``P + seq_len[t] - seq_len[0]`` (``P + t`` single-turn); padding steps fill the columns
             after the row's last token, in order, so every step has its own column.
+        images: each row's images (its trajectory's: its prompt's, then those multi-turn feedback showed; ``None``
+            for a row without), or ``None`` when the batch has none. ``tokengym.transforms.image_rows.forward_inputs``
+            turns them and the tokens into a forward's inputs (a vision-language model's M-RoPE position ids too).
     """
 
     tokens: torch.Tensor
@@ -135,6 +144,7 @@ class SequenceLayout(NamedTuple):
     action_mask: torch.Tensor
     response_start: int
     columns: torch.Tensor
+    images: list[ImageInputs | None] | None = None
 
 
 def _own_prompts(batch, table: PromptTable, prompt: torch.Tensor, lengths: torch.Tensor, pad_id: int):
@@ -214,7 +224,8 @@ def sequence_layout(batch: TensorDictBase, prompts: PromptTable | None = None, *
     Single-turn rows are prompt + actions. Rows with ``keys.TURN > 0`` take their full sequence
     (prompt, turns and env feedback) from the PromptTable (``table.sequence(traj_id)``, recorded by
     the collector), where step ``t``'s action is at position ``keys.SEQ_LEN`` of the step. Padding
-    uses ``pad_id``, by default the pad id the PromptTable records (the env tokenizer's).
+    uses ``pad_id``, by default the pad id the PromptTable records (the env tokenizer's). Each row's images (a
+    vision-language model's batch) are its trajectory's, as the PromptTable records them (``layout.images``).
 
     Example:
         >>> from tensordict import TensorDict
@@ -231,7 +242,7 @@ def sequence_layout(batch: TensorDictBase, prompts: PromptTable | None = None, *
     table = get_prompts(batch, prompts, owner)
     pad_id = pad_token_id_of(table, pad_id, owner)
     action = require(batch, keys.ACTION, owner)
-    group = require(batch, keys.GROUP_ID, owner)[:, 0]
+    group, traj_ids = require(batch, keys.GROUP_ID, owner)[:, 0], batch.get(keys.TRAJ_ID)[:, 0]
     device, (n, steps) = action.device, mask.shape
     # one left_padded row per group (not per sequence), then gathered for every sequence
     unique, inverse = torch.unique(group, return_inverse=True)
@@ -250,7 +261,7 @@ def sequence_layout(batch: TensorDictBase, prompts: PromptTable | None = None, *
         tokens = torch.cat([prompt, response], dim=1)
         attention_mask = torch.cat([prompt_mask, mask], dim=1)
         action_mask = torch.cat([torch.zeros_like(prompt_mask), mask], dim=1)
-        return SequenceLayout(tokens, attention_mask, action_mask, width, columns)
+        return SequenceLayout(tokens, attention_mask, action_mask, width, columns, row_images(table, group, traj_ids))
     tails, offsets = _tails(batch, table, mask, multi, lengths, pad_id, owner)
     tail_len = torch.tensor([len(t) for t in tails], dtype=torch.int64, device=device)
     n_steps = mask.sum(-1)
@@ -268,7 +279,7 @@ def sequence_layout(batch: TensorDictBase, prompts: PromptTable | None = None, *
     tokens = torch.cat([prompt, response], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     action_mask = torch.cat([torch.zeros_like(prompt_mask), generated], dim=1)
-    return SequenceLayout(tokens, attention_mask, action_mask, width, width + offsets)
+    return SequenceLayout(tokens, attention_mask, action_mask, width, width + offsets, row_images(table, group, traj_ids))
 
 
 @torch.no_grad()
@@ -296,6 +307,7 @@ def step_log_probs(model, batch: TensorDictBase, prompts: PromptTable | None = N
         torch.Size([1, 2])
     """
     layout = sequence_layout(batch, prompts, pad_id=pad_id)
-    logp = sequence_log_probs(model, layout.tokens, layout.attention_mask, temperature=temperature)
+    logp = sequence_log_probs(model, layout.tokens, layout.attention_mask, temperature=temperature,
+                              images=layout.images)  # fmt: skip
     out = logp.gather(1, layout.columns)  # (N, T)
     return torch.where(valid_mask(batch), out, torch.zeros_like(out))

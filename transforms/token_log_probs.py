@@ -6,7 +6,9 @@ take 160 GB. :class:`TokenScorer` keeps the final hidden states ``(R, H)`` and s
 each chunk recomputed in backward (activation checkpointing of the head), so what it holds at once is one chunk's
 ``(chunk_size, V)`` logits and their gradient (TRL's ``selective_log_softmax``, AReaL's chunked ``gather_logprobs``,
 prime-rl's fused LM-head chunks do the same). :func:`final_hidden_states` runs the model up to its last hidden state
-(``model.get_decoder()``) and hands back its output layer (``model.get_output_embeddings()``).
+(``model.get_decoder()``) and hands back its output layer (``model.get_output_embeddings()``). A vision-language model's
+decoder is its text model alone, which would drop the images: it runs its whole base model instead (``model.model`` of
+Qwen2-VL: vision tower and text model), with the images and M-RoPE positions it is given.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import weakref
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from tokengym.llm_envs.vision import is_vision_model
 
 __all__ = ["TokenScorer", "chunk_tokens", "final_hidden_states"]
 
@@ -46,6 +50,22 @@ def _parts(model) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     return decoder, head
 
 
+def _vision_parts(model) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(base model, output layer) of a vision-language model: the module that runs the vision tower, puts its
+    features into the image tokens and runs the text model (transformers' ``base_model``: Qwen2-VL's ``model``), and
+    the LM head; None for a model that does not expose them. A PEFT model is read through its base model."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    base = getattr(inner, "base_model", None)
+    get_head = getattr(inner, "get_output_embeddings", None)
+    if not isinstance(base, torch.nn.Module) or base is inner or not callable(get_head):
+        return None
+    try:
+        head = get_head()
+    except (AttributeError, NotImplementedError):
+        return None
+    return (base, head) if isinstance(head, torch.nn.Module) else None
+
+
 def _softcap(model) -> float | None:
     return getattr(getattr(model, "config", None), "final_logit_softcapping", None) or None
 
@@ -58,12 +78,15 @@ def _is_split_exact(model, decoder: torch.nn.Module, head: torch.nn.Module) -> b
         return known
     device = next(model.parameters()).device
     ids = torch.tensor([[0, 1]], device=device)
+    # a vision-language model gets explicit positions: without them it computes and keeps rope deltas of its own
+    positions = {"position_ids": torch.arange(2, device=device).expand(3, 1, 2)} if is_vision_model(model) else {}
     modes = {module: module.training for module in model.modules()}  # restored one by one (PEFT mixes modes)
     model.eval()
     try:
         with torch.no_grad():
-            whole = model(input_ids=ids, use_cache=False).logits.float()
-            split = _capped(head(decoder(input_ids=ids, use_cache=False).last_hidden_state).float(), _softcap(model))
+            whole = model(input_ids=ids, use_cache=False, **positions).logits.float()
+            split = _capped(head(decoder(input_ids=ids, use_cache=False, **positions).last_hidden_state).float(),
+                            _softcap(model))  # fmt: skip
         exact = whole.shape == split.shape and bool(torch.allclose(whole, split, rtol=1e-3, atol=1e-3))
     except Exception:  # a model whose decoder takes other inputs: the whole-logits path
         exact = False
@@ -74,11 +97,34 @@ def _is_split_exact(model, decoder: torch.nn.Module, head: torch.nn.Module) -> b
     return exact
 
 
+def _check_images(model, inputs: dict) -> None:
+    """Refuse images for a text-only model, and image tokens without images for a vision-language model: either would
+    score the image tokens without what they stand for."""
+    has_pixels = inputs.get("pixel_values") is not None
+    if not is_vision_model(model):
+        if has_pixels:
+            raise ValueError(f"final_hidden_states got images (pixel_values) but {type(model).__name__} is text only: "
+                             "score a batch with images with a vision-language model (Qwen2-VL, Qwen2.5-VL)")  # fmt: skip
+        return
+    ids = inputs.get("input_ids")
+    if not has_pixels and ids is not None and bool((ids == int(model.config.image_token_id)).any()):
+        raise ValueError(f"final_hidden_states got image tokens but no images (pixel_values, image_grid_thw) for "
+                         f"{type(model).__name__}: pass the rows' images and M-RoPE positions "
+                         "(tokengym.transforms.image_rows.forward_inputs builds them)")  # fmt: skip
+
+
 def final_hidden_states(model, **inputs) -> tuple[torch.Tensor, torch.nn.Module, float | None] | None:
-    """The model's last hidden states (N, L, H) for ``inputs`` (``input_ids``, ``attention_mask``, ``position_ids``),
-    its output layer and its logit softcap; None when the model does not split into a decoder and an output layer that
-    give its logits (then score its whole logits). ``use_cache=False`` is passed."""
-    parts = _parts(model)
+    """The model's last hidden states (N, L, H) for ``inputs`` (``input_ids``, ``attention_mask``, ``position_ids``;
+    a vision-language model's ``pixel_values`` and ``image_grid_thw`` too, its position ids (3, N, L) M-RoPE), its
+    output layer and its logit softcap; None when the model does not split into a decoder (a vision-language model:
+    its whole base model, vision tower included) and an output layer that give its logits (then score its whole
+    logits). ``use_cache=False`` is passed.
+
+    Raises:
+        ValueError: images for a text-only model, or image tokens without images for a vision-language model.
+    """
+    _check_images(model, inputs)
+    parts = _vision_parts(model) if is_vision_model(model) else _parts(model)
     if parts is None or not _is_split_exact(model, *parts):
         return None
     decoder, head = parts

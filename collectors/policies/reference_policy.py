@@ -9,6 +9,7 @@ from tensordict.nn import TensorDictModuleBase
 from tokengym.collectors.policies.kv_cache import SlotKVCache
 from tokengym.collectors.policies.protocol import Weights, load_policy_state, policy_state, sampling_of
 from tokengym.collectors.policies.sampling import SamplingConfig
+from tokengym.collectors.policies.vision_inputs import check_vision, slot_images
 from tokengym.llm_envs import keys
 
 __all__ = ["PolicyWithReference", "StepwiseReference"]
@@ -51,7 +52,9 @@ class StepwiseReference(TensorDictModuleBase):
         self.model, self.temperature = model, temperature
         # not a submodule: state_dict(), parameters() and .to() are the model's alone
         object.__setattr__(self, "env", getattr(env, "base_env", env))
-        self.cache = SlotKVCache(model, self.env.batch_size[0])
+        # a vision-language reference prefills each slot with its prompt's images (a text-only one is refused)
+        self.images = slot_images(self.env) if check_vision(model, self.env, "dynamic") else None
+        self.cache = SlotKVCache(model, self.env.batch_size[0], images=self.images)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         active = tensordict.get(keys.ACTIVE)
@@ -69,7 +72,7 @@ class StepwiseReference(TensorDictModuleBase):
 
     def load_collection_state(self, state: dict) -> None:
         """Restore :meth:`collection_state` (without a saved cache, live slots are re-prefilled)."""
-        self.cache = SlotKVCache(self.model, self.env.batch_size[0])
+        self.cache = SlotKVCache(self.model, self.env.batch_size[0], images=self.images)
         if state.get("cache") is not None:
             self.cache.load_state_dict(state["cache"])
 

@@ -9,6 +9,10 @@ Devices: the model runs where it is (the inputs go to its input embedding's devi
 ``get_dist``: logits over the vocabulary) is computed for a batch on the model's device; a host batch with a model on
 an accelerator raises a ``ValueError`` naming the fix (``batch.to(device)``, ``train(..., device=)``). ``log_prob``
 takes a batch on any device and answers on the batch's device (what ``MismatchCorrection`` compares).
+
+Vision-language models (Qwen2-VL): a batch whose PromptTable holds images is scored with them, each forward with the
+images of the rows it holds (a micro-batch's own) and their M-RoPE position ids
+(``tokengym.transforms.image_rows.forward_inputs``); with a text-only model it raises a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from tensordict.nn import TensorDictModuleBase
 from tokengym.collectors.policies.sampling import SamplingConfig, batch_sampling, processed_logits
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.devices import check_same_device, input_device
-from tokengym.transforms.sequences import sequence_layout
+from tokengym.transforms.image_rows import forward_inputs, padded_row_images
+from tokengym.transforms.sequences import SequenceLayout, sequence_layout
 from tokengym.transforms.token_log_probs import TokenScorer, final_hidden_states
 
 __all__ = ["ChunkedCategorical", "MaskedCategorical", "PaddedSequenceActor", "SequenceActor"]
@@ -115,11 +120,7 @@ class SequenceActor(TensorDictModuleBase):
         """Logits (N, T, V) of each step's token distribution, the batch's sampling settings applied."""
         config = self.scoring(tensordict)
         layout = sequence_layout(tensordict, pad_id=self.pad_token_id)
-        device = input_device(self.model)
-        attention_mask = layout.attention_mask.long().to(device)
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=layout.tokens.to(device), attention_mask=attention_mask, position_ids=positions,
-                         use_cache=False)  # fmt: skip
+        out = self.model(**self._inputs(layout), use_cache=False)
         device = out.logits.device  # the model's output device
         # step t is predicted at the column before its token (multi-turn: feedback sits in between)
         columns = layout.columns.to(device)
@@ -132,6 +133,11 @@ class SequenceActor(TensorDictModuleBase):
             rows, cols = pad.nonzero(as_tuple=True)
             logits[rows, cols, tensordict.get(keys.ACTION).to(device)[rows, cols]] = 0.0
         return logits
+
+    def _inputs(self, layout: SequenceLayout) -> dict[str, torch.Tensor]:
+        """The model's inputs for the rows of ``layout`` (their images and M-RoPE positions for a vision model)."""
+        return forward_inputs(self.model, layout.tokens, layout.attention_mask, layout.images,
+                              owner=type(self).__name__)  # fmt: skip
 
     def _loss_logits(self, tensordict: TensorDictBase) -> torch.Tensor:
         """:meth:`logits` for a loss: on the batch's device, which must be the model's (no host copy of (N, T, V))."""
@@ -147,11 +153,7 @@ class SequenceActor(TensorDictModuleBase):
             return None
         config = self.scoring(tensordict)
         layout = sequence_layout(tensordict, pad_id=self.pad_token_id)
-        device = input_device(self.model)
-        attention_mask = layout.attention_mask.long().to(device)
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        split = final_hidden_states(self.model, input_ids=layout.tokens.to(device), attention_mask=attention_mask,
-                                    position_ids=positions)  # fmt: skip
+        split = final_hidden_states(self.model, **self._inputs(layout))
         if split is None:
             return None
         hidden, head, softcap = split  # (N, P + T, H)
@@ -282,13 +284,17 @@ class PaddedSequenceActor(TensorDictModuleBase):
         """The sampling settings this actor scores ``tensordict`` with (temperature and banned tokens)."""
         return _scoring(type(self).__name__, self.temperature, self.use_unfiltered, tensordict)
 
+    def _inputs(self, tensordict: TensorDictBase) -> dict[str, torch.Tensor]:
+        """The model's inputs for the rows of the padded layout: its position ids, or for rows with images (a
+        vision-language model) their images and M-RoPE positions."""
+        return forward_inputs(self.model, tensordict.get(keys.TOKENS), tensordict.get(keys.ATTENTION_MASK),
+                              padded_row_images(tensordict, type(self).__name__),
+                              position_ids=tensordict.get(keys.POSITION_IDS), owner=type(self).__name__)  # fmt: skip
+
     def _logits(self, tensordict: TensorDictBase) -> torch.Tensor:
         """Logits (N, L, V) where column ``j`` scores token ``j``, on the model's output device."""
         config = self.scoring(tensordict)
-        device = input_device(self.model)
-        out = self.model(input_ids=tensordict.get(keys.TOKENS).to(device),
-                         attention_mask=tensordict.get(keys.ATTENTION_MASK).long().to(device),
-                         position_ids=tensordict.get(keys.POSITION_IDS).to(device), use_cache=False)  # fmt: skip
+        out = self.model(**self._inputs(tensordict), use_cache=False)
         # the logits at column j-1 predict token j: shifted right so that column j scores token j, into one float32
         # (N, L, V) tensor (the dtype cast in the same copy: no float32 copy of the model's logits beside it)
         shifted = out.logits.new_zeros(out.logits.shape, dtype=torch.float32)
@@ -308,10 +314,7 @@ class PaddedSequenceActor(TensorDictModuleBase):
         if self.full_logits:
             return None
         config = self.scoring(tensordict)
-        device = input_device(self.model)
-        split = final_hidden_states(self.model, input_ids=tensordict.get(keys.TOKENS).to(device),
-                                    attention_mask=tensordict.get(keys.ATTENTION_MASK).long().to(device),
-                                    position_ids=tensordict.get(keys.POSITION_IDS).to(device))  # fmt: skip
+        split = final_hidden_states(self.model, **self._inputs(tensordict))
         if split is None:
             return None
         hidden, head, softcap = split  # (N, L, H)

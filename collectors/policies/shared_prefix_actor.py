@@ -11,6 +11,9 @@ log-probs on the same layout: ``SharedPrefixActor(ref_model).log_prob(padded)`` 
 The block mask is dense: the masked blocks are still computed (SDPA with a boolean mask, eager attention with an
 additive one), so attention costs ``M * S**2`` for ``M`` packs of ``S`` tokens against the padded layout's
 ``N * L**2``; the token-wise work (projections, MLPs, the output layer) is what sharing saves in full.
+
+A batch with images (a vision-language model's) is refused: the packed layout carries no images or M-RoPE positions;
+``PaddedSequenceActor`` scores it.
 """
 
 from __future__ import annotations
@@ -29,12 +32,16 @@ from tokengym.collectors.policies.sequence_actor import (
 )
 from tokengym.llm_envs import keys
 from tokengym.llm_envs.devices import check_same_device, input_device
+from tokengym.transforms.image_rows import batch_has_images
 from tokengym.transforms.shared_prefix import SharedPrefixLayout, to_shared_prefix
 from tokengym.transforms.token_log_probs import TokenScorer, final_hidden_states
 
 __all__ = ["PackedCategorical", "SharedPrefixActor"]
 
 _BLOCK_MASK_ATTENTION = ("sdpa", "eager")  # attention implementations taking a 4-D mask (bool; additive float)
+_IMAGES = ("{owner} packs the batch into one prefix-shared layout, which carries no images (pixel values, M-RoPE "
+           "positions), but the batch's prompts have images: train it on the padded layout with "
+           "PaddedSequenceActor(model) on to_padded(batch)")  # fmt: skip
 
 
 class SharedPrefixActor(PaddedSequenceActor):
@@ -85,7 +92,13 @@ class SharedPrefixActor(PaddedSequenceActor):
         self.min_shared = min_shared
 
     def layout(self, tensordict: TensorDictBase) -> SharedPrefixLayout:
-        """The prefix-shared layout this actor runs ``tensordict`` on."""
+        """The prefix-shared layout this actor runs ``tensordict`` on.
+
+        Raises:
+            ValueError: a batch whose prompts have images (score it with ``PaddedSequenceActor``).
+        """
+        if batch_has_images(tensordict):
+            raise ValueError(_IMAGES.format(owner=type(self).__name__))
         return to_shared_prefix(tensordict, min_shared=self.min_shared)
 
     def mask_dtype(self) -> torch.dtype:

@@ -54,7 +54,8 @@ TOP = "tokengym"
 # package they belong to, under their defining module's path.
 IN_SIGNATURES = {
     "tokengym.llm_envs": ["tokengym.llm_envs.waves.WaveRequest", "tokengym.llm_envs.waves.WaveResult",
-                          "tokengym.llm_envs.prompts.OverlongPrompts"],
+                          "tokengym.llm_envs.prompts.OverlongPrompts", "tokengym.llm_envs.image_inputs.ImageInputs",
+                          "tokengym.llm_envs.image_inputs.encode_with_images"],
     "tokengym.llm_envs.agents": ["tokengym.llm_envs.agents.runner.AgentRunner", "tokengym.llm_envs.agents.runner.Episode"],
     "tokengym.collectors": ["tokengym.collectors.core.CollectorBase"],
     "tokengym.collectors.policies": ["tokengym.collectors.policies._server_weights.WeightTransport",
