@@ -368,16 +368,19 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_mode
     first = make(interrupt=True)
     try:
         batches = iter(first)
+        seen = []  # what each batch left, for the failure messages (a failure under load is read from them)
         for _ in range(12):
             done = next(batches)
             env, finished = first.base_env, first.source.finished_slots()
             # the rows the source holds open (not the ended ones waiting for the next batch), their tokens so far
             open_rows = {env.slot_trajectory(b): env.response_ids(b).numel() for b in range(4) if b not in finished}
-            assert set(done[keys.MASK].sum(1).tolist()) <= set(budgets)  # each ended at its budget
+            seen.append({"lengths": done[keys.MASK].sum(1).tolist(), "open": open_rows, "finished": sorted(finished),
+                         "ended": first.policy.dialect.ended, "version": first.policy.version})  # fmt: skip
+            assert set(done[keys.MASK].sum(1).tolist()) <= set(budgets), seen  # each ended at its budget
             if open_rows:
                 break
-        assert open_rows, "no interrupted wave left a row open in 12 batches"
-        assert all(n < 200 for n in open_rows.values())
+        assert open_rows, f"no interrupted wave left a row open in 12 batches: {seen}"
+        assert all(n < 200 for n in open_rows.values()), seen
         first.policy.interrupt.is_armed = False  # no update after the checkpoint but the one queued at it
         state = first.state_dict()
         expected = [next(batches) for _ in range(3)]
@@ -400,7 +403,7 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_mode
                 assert torch.equal(x, y), key
     continued = [t for a in expected for row, t in enumerate(a[keys.TRAJ_ID][:, 0].tolist())
                  if t in open_rows and int(a[keys.MASK][row].sum()) > open_rows[t]]  # fmt: skip
-    assert continued  # rows in flight at the checkpoint went on from their tokens
+    assert continued, (seen, [a[keys.MASK].sum(1).tolist() for a in expected])  # rows in flight went on from their tokens
     for a in expected:
         assert_versions_never_go_back(a)
         assert_log_probs_under_their_versions(a, published, resumed.base_env, atol=2e-4)
