@@ -270,3 +270,17 @@ def test_an_image_too_large_for_the_context_names_the_fix(vl):
                        model_config=model.config, overlong_prompts=overlong)  # fmt: skip
         with pytest.raises(PromptError, match="max_pixels"):
             env.reset()
+
+
+def test_a_qwen2_5_vl_steps_and_is_scored_exactly(vl):
+    """The tiny Qwen2.5-VL (windowed vision attention, the same M-RoPE for images): stepping equals teacher forcing by
+    hand, and the policy's own teacher forcing (the actors' path) equals the collected log-probs."""
+    tok, processor, _ = vl
+    model = tiny_vl_model(tok, family="qwen2_5_vl")
+    collector = make((tok, processor, model), batch=4)
+    batch = next(iter(collector))
+    worst, counts = worst_gap(model, batch, collector.policy.sampling.banned_token_ids)
+    assert worst < 1e-5 and max(counts) >= 1, (worst, counts)
+    forced_by_policy = collector.policy.teacher_forced_log_probs(batch)
+    mask = batch[keys.MASK]
+    assert float((forced_by_policy[mask] - batch[keys.ACTION_LOG_PROB][mask]).abs().max()) < 1e-5
