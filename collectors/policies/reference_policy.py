@@ -53,7 +53,7 @@ class StepwiseReference(TensorDictModuleBase):
         # not a submodule: state_dict(), parameters() and .to() are the model's alone
         object.__setattr__(self, "env", getattr(env, "base_env", env))
         # a vision-language reference prefills each slot with its prompt's images (a text-only one is refused)
-        self.images = slot_images(self.env) if check_vision(model, self.env, "dynamic") else None
+        self.images = slot_images(self.env) if check_vision(model, self.env, "dynamic", role="the reference model") else None
         self.cache = SlotKVCache(model, self.env.batch_size[0], images=self.images)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:

@@ -12,7 +12,7 @@ from tokengym.llm_envs.vision import is_vision_model
 __all__ = ["check_vision", "slot_images", "with_banned"]
 
 
-def check_vision(model, env, decode: str) -> bool:
+def check_vision(model, env, decode: str, *, role: str = "the policy's model") -> bool:
     """Whether ``model`` takes images (then its policy passes them); a ``ValueError`` for an env with images and a
     text-only model, a processor that does not match the model, or a decode mode without images."""
     processor = getattr(env, "processor", None)
