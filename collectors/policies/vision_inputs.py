@@ -18,7 +18,7 @@ def check_vision(model, env, decode: str, *, role: str = "the policy's model") -
     processor = getattr(env, "processor", None)
     if not is_vision_model(model):
         if processor is not None:
-            raise ValueError(f"the env renders images (processor={type(processor).__name__}) but the policy's model "
+            raise ValueError(f"the env renders images (processor={type(processor).__name__}) but {role} "
                              f"{type(model).__name__} is text only: use a vision-language model (Qwen2-VL, Qwen2.5-VL) "
                              "or an env without processor= and images")  # fmt: skip
         return False
