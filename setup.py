@@ -32,6 +32,8 @@ setup(
         "gymnasium>=1,<2",
         "datasets",
         "numpy",
+        # the visual tasks draw their images; prompts with images load them (vision-language models)
+        "pillow",
         # MathAnswerReward's verifier; the extra pins the ANTLR runtime its LaTeX parser needs
         "math-verify[antlr4_13_2]>=0.9,<0.10",
     ],
