@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 from collections.abc import Sequence
@@ -42,12 +43,20 @@ class ImageInputs:
         pixel_values: float (patches, features): every image's patches, image after image.
         image_grid_thw: int64 (images, 3): each image's patch grid (time, height, width), in the order the images
             appear in the token ids.
-        digest: a hash of both (16 hex digits): equal images, equal digests.
+        digest: a hash of both (16 hex digits): equal images, equal digests; computed on first use (a prefix key, a
+            cache's grouping), not for every concatenation a forward makes.
     """
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
-    digest: str
+
+    @functools.cached_property
+    def digest(self) -> str:
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(self.image_grid_thw.numpy().tobytes())
+        digest.update(str(self.pixel_values.dtype).encode())
+        digest.update(self.pixel_values.contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
 
     @classmethod
     def of(cls, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> ImageInputs:
@@ -64,11 +73,7 @@ class ImageInputs:
         if int(grid.prod(-1).sum()) != pixel_values.shape[0]:
             raise ValueError(f"image_grid_thw {grid.tolist()} covers {int(grid.prod(-1).sum())} patches but "
                              f"pixel_values holds {pixel_values.shape[0]}: pass both from one processor call")  # fmt: skip
-        digest = hashlib.blake2b(digest_size=8)
-        digest.update(grid.numpy().tobytes())
-        digest.update(str(pixel_values.dtype).encode())
-        digest.update(pixel_values.contiguous().view(torch.uint8).numpy().tobytes())
-        return cls(pixel_values, grid, digest.hexdigest())
+        return cls(pixel_values, grid)
 
     @property
     def num_images(self) -> int:
