@@ -6,10 +6,12 @@ the parent can start it without a ``preexec_fn``, which would force a slow ``for
 trainer process), reads the whole code from stdin (code of any size: nothing goes through
 ``argv``), points stdin at ``/dev/null``, forks, and runs the code as ``__main__`` in the child.
 
-With ``REAP=1`` (the rlimit fallback) it is a Linux child subreaper: when the child ends,
-orphaned descendants (double fork + ``setsid`` included) have been re-parented here, and it kills
-them before it exits with the child's status; a ``SIGTERM`` (the parent's timeout) kills the child
-and the descendants the same way. Under bubblewrap (``REAP=0``) the PID namespace does this.
+With ``REAP=1`` (what :func:`run_python` passes, in both sandboxes) it is a Linux child subreaper:
+when the child ends, orphaned descendants (double fork + ``setsid`` included) have been re-parented
+here, and it kills them before it exits with the child's status; a ``SIGTERM`` (the parent's
+timeout) kills the child and the descendants the same way. Under bubblewrap the PID namespace would
+kill them too, but only after bwrap has reported the exit: reaping here is what makes them gone
+when the parent hears of it.
 Importing the module does nothing (:func:`children_of` is also used by the parent).
 """
 

@@ -142,7 +142,10 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_o
     _check_number("max_file_mb", max_file_mb, 1)
     kind, bwrap = _choose(sandbox)
     is_bwrap = kind is Sandbox.BWRAP
-    limits = [str(int(memory_mb)), str(int(timeout_s) + 1), str(int(max_file_mb)), "0" if is_bwrap else "1"]
+    # the supervisor reaps every descendant before it exits, under bwrap too: bwrap reports the command's exit as soon as
+    # its PID namespace's init hears of it, before the kernel has torn the namespace down (under load, a process the
+    # code started was still alive after run_python returned)
+    limits = [str(int(memory_mb)), str(int(timeout_s) + 1), str(int(max_file_mb)), "1"]
     python = [os.path.realpath(sys.executable), "-I", "-S", "-c", _SUPERVISOR, *limits]
     common = {"timeout_s": timeout_s, "max_output_chars": int(max_output_chars), "is_pid_namespace": is_bwrap}
     if is_bwrap:

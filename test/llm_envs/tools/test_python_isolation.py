@@ -92,6 +92,35 @@ def test_no_child_survives_the_tool(sandbox, template, how):
     assert _pids_with(marker) == []
 
 
+# an orphan of the code says who adopted it: the supervisor (which kills and reaps every descendant before it exits,
+# so none is alive when run_python returns), or bwrap's namespace init (which kills them only after bwrap has
+# reported the exit: a survivor seen once under load)
+_ADOPTER = """
+import os, sys, time
+supervisor = os.getppid()
+r, w = os.pipe()
+middle = os.fork()
+if middle == 0:
+    middle = os.getpid()
+    if os.fork() == 0:
+        while os.getppid() == middle:  # until the middle process has exited and this one is adopted
+            time.sleep(0.01)
+        os.write(w, str(os.getppid()).encode())
+        time.sleep(30)
+    os._exit(0)
+os.waitpid(middle, 0)
+os.close(w)
+adopter = int(os.read(r, 32))
+print("supervisor" if adopter == supervisor else f"pid {adopter}, not the supervisor {supervisor}")
+"""
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_the_supervisor_adopts_and_reaps_the_codes_orphans(sandbox):
+    result = run_python(_ADOPTER, timeout_s=60, sandbox=sandbox)
+    assert (result.output, result.error) == ("supervisor\n", None)
+
+
 @pytest.fixture
 def trainer_with_secret():
     """A process started with a secret in its environment, standing in for the trainer (and its parent chain)."""
