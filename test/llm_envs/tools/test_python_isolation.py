@@ -24,6 +24,7 @@ from tokengym.llm_envs import tools
 from tokengym.llm_envs.tools import run_python
 
 SANDBOXES = ["bwrap", "rlimit"]
+ROOMY = 60.0  # the timeout of a probe that should finish: no loaded machine reaches it (5 s once did)
 
 # the tool's code starts a process whose command line carries MARKER (visible in the host's /proc),
 # waits until it runs, holds for HOLD seconds, then returns normally
@@ -149,7 +150,7 @@ print(sorted(set(hits)), os.environ.get("TOKENGYM_SECRET"))
 def test_environ_of_other_processes(sandbox, trainer_with_secret):
     pid, secret = trainer_with_secret
     code = _READ_ENVIRONS.format(pids=f"{pid}, {os.getpid()}, {os.getppid()}", secret=secret)
-    out = run_python(code, sandbox=sandbox).output
+    out = run_python(code, timeout_s=ROOMY, sandbox=sandbox).output
     if sandbox == "bwrap":
         assert out == "[] None\n"  # its own /proc: no host process is visible
     else:
@@ -175,7 +176,7 @@ probe = (
     "        pass\\n"
     "print(sorted(set(hits)))\\n"
 )
-print(os.getpid(), run_python(probe, sandbox=sandbox).output, end="")
+print(os.getpid(), run_python(probe, timeout_s=60.0, sandbox=sandbox).output, end="")
 """
 
 
@@ -204,7 +205,7 @@ def test_network(sandbox):
         port = server.getsockname()[1]
         code = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2).close()\n"
                 "    print('connected')\nexcept OSError as err:\n    print(type(err).__name__)")  # fmt: skip
-        out = run_python(code, sandbox=sandbox).output
+        out = run_python(code, timeout_s=ROOMY, sandbox=sandbox).output
     if sandbox == "bwrap":
         assert out == "ConnectionRefusedError\n"  # its own network namespace: nothing listens on its loopback
     else:
@@ -214,6 +215,6 @@ def test_network(sandbox):
 def test_bwrap_has_no_capabilities_and_sees_only_itself():
     code = ("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
             "print([line.split()[1] for line in open('/proc/self/status') if line.startswith('CapEff')])")  # fmt: skip
-    pids, caps = run_python(code, sandbox="bwrap").output.splitlines()
+    pids, caps = run_python(code, timeout_s=ROOMY, sandbox="bwrap").output.splitlines()
     assert pids == "[1, 2, 3]"  # bwrap's init, the supervisor, the tool's code
     assert caps == "['0000000000000000']"
