@@ -16,7 +16,9 @@ its answer). That is what lets a wave stop early and go on later (partial rollou
 ``until``): when the policy's ``interrupt`` is set (new weights published) or enough rows have ended
 (``WaveRequest.min_finished``), the fleet asks each server to abort the rows in flight by their request ids (the
 dialect's ``abort``) and goes on reading their streams until each ends: a row keeps every token its server generated,
-unfinished, and none is generated twice. What a server says it generated beyond what was received (its usage) is
+unfinished, and none is generated twice. A request the server took only after that abort (its first chunk comes
+after the wave stopped) is aborted at that chunk, and the fleet asks again every ``_ABORT_WAIT_S`` until every
+stream ended. What a server says it generated beyond what was received (its usage) is
 counted in ``server_discarded_tokens``; a server that cannot abort by id has its connections closed instead (logged
 once: what it generated after the last token read is lost). A server that fails mid-stream is another matter: its
 rows are sent again elsewhere *from the tokens they received* (prompt and tokens so far, the budget reduced, the same
@@ -52,6 +54,7 @@ from tokengym.collectors.policies._server_options import (
     WaveStop,
     server_key,
 )
+from tokengym.collectors.policies._sse import event_lines
 from tokengym.collectors.policies.server_guard import KEY_VARIABLE
 
 __all__ = ["Server", "ServerFleet", "describe_answer"]
@@ -98,6 +101,7 @@ class _Run:
         self.answers, self.until, self.ended = answers, until, 0
         self.is_stopped = False
         self.stopped = asyncio.Event()
+        self.late_aborts: set[asyncio.Task] = set()  # aborts of requests the server took after the wave stopped
 
     def stop(self) -> None:
         self.is_stopped = True
@@ -310,10 +314,11 @@ class ServerFleet:
             if not rows.done():  # told to stop: abort what is in flight; each stream is read to its end
                 await self._abort()
             await rows
+            await asyncio.gather(*run.late_aborts, return_exceptions=True)
         except BaseException:
-            for task in tasks:
+            for task in (*tasks, *run.late_aborts):
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *run.late_aborts, return_exceptions=True)
             raise
         finally:
             stopped.cancel()
@@ -449,8 +454,8 @@ class ServerFleet:
             if response.status_code >= 400:
                 await response.aread()
                 return response
-            has_ended = False
-            async for line in response.aiter_lines():  # server-sent events: "data: {json}", "data: [DONE]"
+            has_ended, chunks = False, 0
+            async for line in event_lines(response.aiter_bytes()):  # server-sent events: "data: {json}", "data: [DONE]"
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -458,11 +463,25 @@ class ServerFleet:
                     break
                 self.dialect.take(answer, json.loads(data))
                 server.streamed += 1
+                chunks += 1
                 if not has_ended and self.dialect.finished(answer):
                     has_ended = True
                     run.ended += 1
+                stopped_before = run.is_stopped
                 run.should_stop()  # the wave aborts this request: its stream goes on to its end
+                if chunks == 1 and stopped_before and not has_ended and server.aborts_by_id:
+                    # the server took this request after the wave stopped: an abort sent before may have missed it
+                    task = asyncio.ensure_future(self._abort_late(server, streamed))
+                    run.late_aborts.add(task)
         return None
+
+    async def _abort_late(self, server: Server, streamed) -> None:
+        """Abort one request at its first chunk (the wave had stopped: ``_abort_on``'s abort may have reached the
+        server before the request did, and asks again only every ``_ABORT_WAIT_S``); a failure is left to it."""
+        try:
+            await self.dialect.abort(self, server, [streamed])
+        except (httpx.HTTPError, RequestRejected, OSError):
+            pass
 
 
 def _raise_for_status(dialect, server: Server, response: httpx.Response, *, row: int | None = None) -> None:

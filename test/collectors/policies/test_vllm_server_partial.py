@@ -22,6 +22,7 @@ from collector_helpers import assert_log_probs_under_their_versions
 from tokengym.collectors import CollectorOptions, SegmentRule, TokenCollector
 from tokengym.collectors.policies import (
     LocalVLLMServer,
+    SamplingConfig,
     ServerOptions,
     TransformersPolicy,
     VLLMServerDialect,
@@ -31,10 +32,10 @@ from tokengym.llm_envs import TokenEnv, keys
 from tokengym.testing import PublishAfter, tiny_tokenizer
 
 PROMPTS = ["What is 12 + 7?", "hi", "Reverse the string abc:", "a b c d e f g h", "1+1=", "count down 5 4"]
-LONG = " ".join(str(i) for i in range(120))  # 226 tokens: with max_length 256, a budget of 30
+NEAR_FULL = " ".join(str(i) for i in range(409))  # 1,019 tokens: with max_length 1024, a budget of 5
 SERVER_ARGS = [
     "--max-model-len",
-    "256",
+    "1024",
     "--kv-cache-memory-bytes",
     str(1 << 24),
     "--served-model-name",
@@ -220,6 +221,80 @@ def test_an_interrupt_stops_the_wave_and_each_row_keeps_what_it_received(fleet, 
         policy.close()
 
 
+class AbortsInOrder(VLLMServerDialect):
+    """vLLM's server dialect that records, in order, each request's first chunk (whether it ended its row) and each
+    abort it is asked to send (the requests it names)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.started: set[str] = set()
+
+    def take(self, answer: dict, chunk: dict) -> None:
+        super().take(answer, chunk)
+        request = chunk.get("id")
+        if request not in self.started:
+            self.started.add(request)
+            self.events.append(("first chunk", request, self.finished(answer)))
+
+    async def abort(self, fleet, server, requests) -> bool:
+        self.events.append(("abort", {f"cmpl-{r['request_id']}" for r in requests}))
+        return await super().abort(fleet, server, requests)
+
+
+class AbortsInOrderPolicy(VLLMServerPolicy):
+    def __init__(self, *args, **kwargs) -> None:
+        self.dialect = AbortsInOrder()
+        super().__init__(*args, **kwargs)
+
+
+def test_a_request_a_server_takes_after_the_wave_stopped_is_aborted_at_its_first_chunk(fleet, monkeypatch):
+    """The interrupt is set before the wave, so the wave stops at the first chunk it reads, and the fleet's abort may
+    reach a server before some of its requests do. Every request whose first chunk comes after that (and did not end
+    its row) is aborted then: an abort naming it follows its first chunk. (The fleet also asks again every
+    ``_ABORT_WAIT_S``, here 30 s, so that is not what aborts it: before, such a request generated until then.)"""
+    from tokengym.collectors.policies import _server_fleet
+
+    monkeypatch.setattr(_server_fleet, "_ABORT_WAIT_S", 30.0)
+    env = fleet.env(batch_size=8, max_new_tokens=1000, max_length=1024)
+    policy = fleet.policy(env, seed=3, policy_class=AbortsInOrderPolicy)
+    try:
+        env.reset()
+        request = env.wave_request()
+        policy.interrupt.set()
+        policy.generate(request)
+    finally:
+        policy.close()
+    events = policy.dialect.events
+    firsts = [i for i, e in enumerate(events) if e[0] == "first chunk"]
+    assert len(firsts) == 8 and firsts[0] == 0 and any(e[0] == "abort" for e in events), events
+    for i in firsts[1:]:
+        _, request, ended = events[i]
+        assert ended or any(e[0] == "abort" and request in e[1] for e in events[i + 1 :]), (request, events)
+
+
+def test_a_generated_text_holding_a_unicode_line_separator_streams_whole(fleet, teacher_forcing):
+    """Tokens 134 then 235 decode to U+0085, which the servers' JSON holds unescaped and ``str.splitlines`` (so
+    ``httpx``'s ``aiter_lines``) takes for a line end: with only those two tokens allowed, a chunk was cut in two and
+    the wave failed on a ``JSONDecodeError``. The fleet splits the stream at its line ends only: every row is whole."""
+    allowed = {134, 235}
+    assert fleet.tok.decode([134, 235]) == "\x85"
+    sampling = SamplingConfig(banned_token_ids=tuple(i for i in range(512) if i not in allowed))
+    env = fleet.env(batch_size=4, max_new_tokens=32)
+    policy = fleet.policy(env, seed=5, sampling=sampling)
+    try:
+        env.reset()
+        request = env.wave_request()
+        result = policy.generate(request)
+    finally:
+        policy.close()
+    assert result.finished is None and result.lengths.tolist() == [32] * 4
+    assert any("\x85" in fleet.tok.decode(result.actions[i].tolist()) for i in range(4))  # the case arose
+    for i, prompt in enumerate(request.prompts):
+        assert set(result.actions[i].tolist()) <= allowed
+        torch.testing.assert_close(result.log_probs[i], teacher_forcing(fleet.model, prompt, result.actions[i], sampling),
+                                   atol=2e-4, rtol=0)  # fmt: skip
+
+
 def test_an_update_mid_wave_keeps_the_prefix_and_goes_on_under_the_new_version(fleet, make_vllm_model):
     env = fleet.env(max_new_tokens=120, max_length=160)  # rows far longer than the servers can run ahead of the client
     policy = fleet.policy(env, seed=1)
@@ -341,18 +416,22 @@ def test_a_policy_on_servers_another_run_updated_reloads_their_checkpoint(fleet,
 
 def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_model):
     """Each wave is interrupted by an update once two of its rows ended, until a batch leaves rows open (the source's
-    state: on a loaded machine the client may read the second end after the server finished every row): the
-    checkpoint then holds those rows unfinished with their tokens so far; a collector built anew, loaded from it and
-    given the same update, yields what the first one yields next."""
-    # budgets 200, 200, 30, 28 on one server
-    prompts = ["hi", "1+1=", LONG, LONG + " 0"]
-    budgets = [min(200, 256 - len(fleet.tok(p)["input_ids"])) for p in prompts]
-    assert budgets[:2] == [200, 200] and max(budgets[2:]) <= 30
+    state); the checkpoint then holds those rows unfinished with their tokens so far; a collector built anew, loaded
+    from it and given the same update, yields what the first one yields next.
+
+    The two rows that end first have budgets of 5 and 3 tokens; the two others have 1,000. The update lands when the
+    client reads the short rows' ends, a few tokens into the wave, and a long row the server took after the abort is
+    aborted at its first chunk: the servers would have to run about 995 tokens ahead of the abort to end a long row.
+    (With budgets of 30 and 200, a loaded machine's client read the 30th token after its server had generated the
+    200th, in every wave of a run: no row was left open.)"""
+    prompts = [NEAR_FULL, NEAR_FULL + " 0", "hi", "1+1="]  # budgets 5, 3, 1000, 1000 on one server
+    budgets = [min(1000, 1024 - len(fleet.tok(p)["input_ids"])) for p in prompts]
+    assert budgets == [5, 3, 1000, 1000]
     new = make_vllm_model(fleet.tok, seed=4)
     published: dict = {0: fleet.model}
 
     def make(interrupt: bool):
-        env = fleet.env(prompts, batch_size=4, max_new_tokens=200, max_length=256)
+        env = fleet.env(prompts, batch_size=4, max_new_tokens=1000, max_length=1024)
         policy = fleet.policy(env, [fleet.urls[0]], seed=6, policy_class=EndsCountingPolicy)
         collector = TokenCollector(env, policy, mode="trajectories", batch_size=2, source="wave")
         if interrupt:  # once two more rows ended: a batch can be filled
@@ -380,7 +459,7 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_mode
             if open_rows:
                 break
         assert open_rows, f"no interrupted wave left a row open in 12 batches: {seen}"
-        assert all(n < 200 for n in open_rows.values()), seen
+        assert all(n < 1000 for n in open_rows.values()), seen
         first.policy.interrupt.is_armed = False  # no update after the checkpoint but the one queued at it
         state = first.state_dict()
         expected = [next(batches) for _ in range(3)]
