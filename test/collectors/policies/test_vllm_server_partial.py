@@ -266,7 +266,8 @@ def test_a_request_a_server_takes_after_the_wave_stopped_is_aborted_at_its_first
         policy.close()
     events = policy.dialect.events
     firsts = [i for i, e in enumerate(events) if e[0] == "first chunk"]
-    assert len(firsts) == 8 and firsts[0] == 0 and any(e[0] == "abort" for e in events), events
+    # the wave stopped at its first chunk (a request the abort reached before its first token streams no chunk)
+    assert firsts[0] == 0 and any(e[0] == "abort" for e in events), events
     for i in firsts[1:]:
         _, request, ended = events[i]
         assert ended or any(e[0] == "abort" and request in e[1] for e in events[i + 1 :]), (request, events)
