@@ -155,6 +155,11 @@ class ServerFleet:
         dialect: the engine's server dialect (a ``ServerDialect``): where a generation request is POSTed, how it
             is streamed and its chunks read, how a row goes on from its tokens, how requests are aborted.
         options: a :class:`ServerOptions`.
+
+    Attributes:
+        client: the ``httpx.AsyncClient`` every call and every stream goes through, on the fleet's own event loop:
+            its ``event_hooks`` (coroutines) see each request before it is sent and each answer as it arrives
+            (tracing, logging, a request held until an event).
     """
 
     def __init__(self, urls: Sequence[str], dialect, *, options: ServerOptions | None = None) -> None:
@@ -171,7 +176,7 @@ class ServerFleet:
             target=self._loop.run_forever, name="tokengym-server-fleet", daemon=True
         )
         self._thread.start()
-        self._client = self.run(self._make_client())
+        self.client = self.run(self._make_client())
 
     async def _make_client(self) -> httpx.AsyncClient:
         o = self.options
@@ -191,7 +196,7 @@ class ServerFleet:
         """Close the HTTP client and stop the loop."""
         if self._loop.is_closed():
             return
-        self.run(self._client.aclose())
+        self.run(self.client.aclose())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -208,21 +213,21 @@ class ServerFleet:
         timeout = self.options.control_timeout_s if timeout is None else timeout
         url = server.url + path
         try:
-            response = await self._client.request(method, url, json=payload, timeout=timeout)
+            response = await self.client.request(method, url, json=payload, timeout=timeout)
         except httpx.TransportError as err:
             if not retry:
                 raise
             _log.warning("%s %s failed (%s: %s); sending it once more", method, url, type(err).__name__, err)
             await asyncio.sleep(_RETRY_PAUSE_S)
-            response = await self._client.request(method, url, json=payload, timeout=timeout)
+            response = await self.client.request(method, url, json=payload, timeout=timeout)
         _raise_for_status(self.dialect, server, response)
         return response.json() if response.content else None
 
     async def is_open(self, server: Server, path: str) -> bool:
         """Whether ``server`` answers ``GET path`` with 200 to a request that carries no key."""
-        request = self._client.build_request("GET", server.url + path, timeout=self.options.control_timeout_s)
+        request = self.client.build_request("GET", server.url + path, timeout=self.options.control_timeout_s)
         request.headers.pop("Authorization", None)
-        return (await self._client.send(request)).status_code == 200
+        return (await self.client.send(request)).status_code == 200
 
     def mark_down(self, server: Server, reason: str, *, moving: int = 0) -> None:
         """Take ``server`` out of the rotation; its requests in flight go elsewhere (``moving``: requests whose
@@ -449,7 +454,7 @@ class ServerFleet:
         wave told to stop aborts it: read on, its last tokens are kept); an error answer (>= 400) is returned, read."""
         o = self.options
         timeout = httpx.Timeout(o.request_timeout_s, connect=o.connect_timeout_s)
-        request = self._client.stream("POST", server.url + self.generate_path, json=streamed, timeout=timeout)
+        request = self.client.stream("POST", server.url + self.generate_path, json=streamed, timeout=timeout)
         async with asyncio.timeout(o.request_timeout_s), request as response:
             if response.status_code >= 400:
                 await response.aread()

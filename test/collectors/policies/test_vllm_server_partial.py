@@ -9,6 +9,8 @@ parallel, ~25-40 s) and every test shares them; the autouse ``at_checkpoint`` fi
 before and after each test (a failed test leaves no weights behind). The test that kills server 1 runs last but one.
 """
 
+import asyncio
+import json
 import logging
 import re
 import threading
@@ -111,12 +113,14 @@ def at_checkpoint(fleet):
         fleet.restore()
 
 
-def publishing(k: int, collector, new, published: dict, then=None) -> PublishAfter:
+def publishing(k: int, collector, new, published: dict, then=None, released=None) -> PublishAfter:
     """An interrupt event that publishes ``new``'s weights to ``collector`` at its ``k``-th check (``then``: called at
-    the checks after, with their count)."""
+    the checks after, with their count; ``released``: :class:`HeldRequests` dropped unsent once the update is queued)."""
 
     def publish():
         published[collector().update_policy_weights_(new.state_dict())] = new
+        if released is not None:
+            released.release(send=False)
 
     class Event(PublishAfter):
         def is_set(self) -> bool:
@@ -159,6 +163,47 @@ class Behind(threading.Event):
             time.sleep(self.stall_s)
             self.set()
         return super().is_set()
+
+
+class HeldRequests:
+    """A request hook of a policy's fleet client (``fleet.client.event_hooks``): the generation requests that
+    ``which(url, body)`` picks wait, unsent, until :meth:`release` (from any thread); later ones go out at once.
+
+    Released with ``send=False`` (once their wave stopped), they are never sent: each fails as a connection its
+    server closed before it read the request (``httpx.RemoteProtocolError``), and its row stays open with no token.
+    (Released and sent after the wave stopped, a loaded machine's client stalled up to 3 s before it read their first
+    chunk and aborted them, while the server ran them to their 1,000-token budget: whether such a row stayed open was
+    a race with the server.)"""
+
+    def __init__(self, policy, which) -> None:
+        self.which, self.lock, self.waiters, self.released, self.held = which, threading.Lock(), [], False, 0
+        self.path = policy.fleet.generate_path
+        policy.fleet.client.event_hooks["request"].append(self)
+
+    async def __call__(self, request) -> None:
+        if request.method != "POST" or not request.url.path.endswith(self.path):
+            return
+        if not self.which(request.url, json.loads(request.content)):
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        with self.lock:
+            if self.released:
+                return
+            self.held += 1
+            self.waiters.append((waiter, request))
+        await waiter
+
+    def release(self, *, send: bool = True) -> None:
+        with self.lock:
+            self.released, waiters, self.waiters = True, self.waiters, []
+        for waiter, request in waiters:
+            error = None if send else httpx.RemoteProtocolError("held by the test until its wave stopped", request=request)
+            waiter.get_loop().call_soon_threadsafe(_settle, waiter, error)
+
+
+def _settle(waiter: asyncio.Future, error: BaseException | None) -> None:
+    if not waiter.done():
+        waiter.set_result(None) if error is None else waiter.set_exception(error)
 
 
 class CountingEnds(VLLMServerDialect):
@@ -416,31 +461,35 @@ def test_a_policy_on_servers_another_run_updated_reloads_their_checkpoint(fleet,
 
 
 def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_model):
-    """Each wave is interrupted by an update once two of its rows ended, until a batch leaves rows open (the source's
-    state); the checkpoint then holds those rows unfinished with their tokens so far; a collector built anew, loaded
-    from it and given the same update, yields what the first one yields next.
+    """The first wave is interrupted by an update once two of its rows ended, and its first batch leaves the two others
+    open (the source's state); the checkpoint then holds those rows unfinished; a collector built anew, loaded from it
+    and given the same update, yields what the first one yields next, and the open rows go on under the new weights.
 
-    The two rows that end first have budgets of 5 and 3 tokens; the two others have 1,000. The update lands when the
-    client reads the short rows' ends, a few tokens into the wave, and a long row the server took after the abort is
-    aborted at its first chunk: the servers would have to run about 995 tokens ahead of the abort to end a long row.
-    (With budgets of 30 and 200, a loaded machine's client read the 30th token after its server had generated the
-    200th, in every wave of a run: no row was left open.)"""
-    prompts = [NEAR_FULL, NEAR_FULL + " 0", "hi", "1+1="]  # budgets 5, 3, 1000, 1000 on one server
-    budgets = [min(1000, 1024 - len(fleet.tok(p)["input_ids"])) for p in prompts]
-    assert budgets == [5, 3, 1000, 1000]
+    The two rows that end first have budgets of 5 and 3 tokens; the first wave holds the two others' requests
+    (:class:`HeldRequests`) until the update lands and then drops them unsent, so they are open, with no token yet,
+    whatever the servers' pace. (Sent with the others, a loaded machine's server ran them to their budget of 1,000
+    before the client read the short rows' ends, in 2 of 5 module runs beside two CPU hogs; sent after the update, in
+    3 of 5: no row was left open.)"""
+    prompts = [NEAR_FULL, NEAR_FULL + " 0", "hi", "1+1="]  # budgets 5, 3, 40, 40 on one server
+    budgets = [min(40, 1024 - len(fleet.tok(p)["input_ids"])) for p in prompts]
+    assert budgets == [5, 3, 40, 40]
     new = make_vllm_model(fleet.tok, seed=4)
     published: dict = {0: fleet.model}
+    holds: list[HeldRequests] = []
 
     def make(interrupt: bool):
-        env = fleet.env(prompts, batch_size=4, max_new_tokens=1000, max_length=1024)
+        env = fleet.env(prompts, batch_size=4, max_new_tokens=40, max_length=1024)
         policy = fleet.policy(env, [fleet.urls[0]], seed=6, policy_class=EndsCountingPolicy)
         collector = TokenCollector(env, policy, mode="trajectories", batch_size=2, source="wave")
         if interrupt:  # once two more rows ended: a batch can be filled
             since = [0]
+            held = HeldRequests(policy, lambda url, body: body["max_tokens"] > 5)  # the long rows
+            holds.append(held)
 
             def publish():
                 since[0] = policy.dialect.ended
                 published[collector.update_policy_weights_(new.state_dict())] = new
+                held.release(send=False)
 
             policy.interrupt = PublishWhen(lambda: policy.dialect.ended >= since[0] + 2, publish)
         return collector
@@ -448,19 +497,14 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_mode
     first = make(interrupt=True)
     try:
         batches = iter(first)
-        seen = []  # what each batch left, for the failure messages (a failure under load is read from them)
-        for _ in range(12):
-            done = next(batches)
-            env, finished = first.base_env, first.source.finished_slots()
-            # the rows the source holds open (not the ended ones waiting for the next batch), their tokens so far
-            open_rows = {env.slot_trajectory(b): env.response_ids(b).numel() for b in range(4) if b not in finished}
-            seen.append({"lengths": done[keys.MASK].sum(1).tolist(), "open": open_rows, "finished": sorted(finished),
-                         "ended": first.policy.dialect.ended, "version": first.policy.version})  # fmt: skip
-            assert set(done[keys.MASK].sum(1).tolist()) <= set(budgets), seen  # each ended at its budget
-            if open_rows:
-                break
-        assert open_rows, f"no interrupted wave left a row open in 12 batches: {seen}"
-        assert all(n < 1000 for n in open_rows.values()), seen
+        done = next(batches)
+        env, finished = first.base_env, first.source.finished_slots()
+        # the rows the source holds open (not the ended ones waiting for the next batch), their tokens so far
+        open_rows = {env.slot_trajectory(b): env.response_ids(b).numel() for b in range(4) if b not in finished}
+        seen = {"lengths": done[keys.MASK].sum(1).tolist(), "open": open_rows, "finished": sorted(finished),
+                "ended": first.policy.dialect.ended, "held": holds[0].held}  # fmt: skip
+        assert sorted(done[keys.MASK].sum(1).tolist()) == [3, 5] and holds[0].held == 2, seen  # the short rows
+        assert sorted(open_rows.values()) == [0, 0], seen  # the long ones, open
         first.policy.interrupt.is_armed = False  # no update after the checkpoint but the one queued at it
         state = first.state_dict()
         expected = [next(batches) for _ in range(3)]
@@ -481,9 +525,10 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_mode
                 torch.testing.assert_close(x, y, atol=1e-5, rtol=0, msg=str(key))
             else:
                 assert torch.equal(x, y), key
-    continued = [t for a in expected for row, t in enumerate(a[keys.TRAJ_ID][:, 0].tolist())
-                 if t in open_rows and int(a[keys.MASK][row].sum()) > open_rows[t]]  # fmt: skip
-    assert continued, (seen, [a[keys.MASK].sum(1).tolist() for a in expected])  # rows in flight went on from their tokens
+    # the open rows went on in the next waves, under the update queued at the checkpoint, to their budgets
+    went_on = {t: a[keys.POLICY_VERSION][row][a[keys.MASK][row]].tolist() for a in expected
+               for row, t in enumerate(a[keys.TRAJ_ID][:, 0].tolist()) if t in open_rows}  # fmt: skip
+    assert went_on == {t: [1] * 40 for t in open_rows}, (seen, went_on)
     for a in expected:
         assert_versions_never_go_back(a)
         assert_log_probs_under_their_versions(a, published, resumed.base_env, atol=2e-4)
@@ -494,7 +539,12 @@ def test_a_server_killed_during_a_resumed_wave_loses_nothing(fleet, make_vllm_mo
     """Wave 1 is interrupted by an update; wave 2 goes on under the new weights and server 1 is killed as soon as it
     streams a token of wave 2 while it still has rows in flight: whatever it had sent by then is kept, its rows go on
     on server 0 from the tokens they received, every trajectory is whole and each token's log-prob is its
-    version's. (The client may have read everything server 1 streamed before it died: then nothing moved.)"""
+    version's. (The client may have read everything server 1 streamed before it died: then nothing moved.)
+
+    Wave 1's requests to server 1 are held until the update is queued, then dropped unsent (:class:`HeldRequests`),
+    so server 1's rows are open, with no token yet, and go on it in wave 2. (Sent with the others, a loaded machine's
+    server 1 ended every row of wave 1 before the client read its 16th chunk, in 1 of 5 runs, and once more when they
+    were sent after the update: wave 2 had no row on server 1 to kill it under.)"""
     env = fleet.env(max_new_tokens=200, max_length=256)
     policy = fleet.policy(env, seed=9, options={"request_timeout_s": 120.0, "connect_timeout_s": 10.0})
     new = make_vllm_model(fleet.tok, seed=5)
@@ -511,7 +561,9 @@ def test_a_server_killed_during_a_resumed_wave_loses_nothing(fleet, make_vllm_mo
             fleet.servers[1].kill()
             killed.set()
 
-    policy.interrupt = publishing(k, lambda: collector, new, published, then=kill)
+    second = httpx.URL(fleet.servers[1].url).port
+    held = HeldRequests(policy, lambda url, body: url.port == second)
+    policy.interrupt = publishing(k, lambda: collector, new, published, then=kill, released=held)
     collector = TokenCollector(env, policy, mode="trajectories", batch_size=8, source="wave")
     try:
         batch = next(iter(collector))
@@ -519,7 +571,7 @@ def test_a_server_killed_during_a_resumed_wave_loses_nothing(fleet, make_vllm_mo
         metrics = dict(collector.metrics)
     finally:
         collector.shutdown()
-    assert killed.is_set()
+    assert held.held == 4 and killed.is_set()  # wave 1 sent 4 rows to each server
     if moved:  # server 1 was marked down: its rows went on from what they had received
         assert counts["server_failovers"] >= 1 and counts["retried_requests"] >= 1
     assert metrics["interrupted_sequences"] > 0 and metrics["dropped_tokens"] == 0

@@ -118,7 +118,7 @@ print("supervisor" if adopter == supervisor else f"pid {adopter}, not the superv
 
 @pytest.mark.parametrize("sandbox", SANDBOXES)
 def test_the_supervisor_adopts_and_reaps_the_codes_orphans(sandbox):
-    result = run_python(_ADOPTER, timeout_s=60, sandbox=sandbox)
+    result = run_python(_ADOPTER, timeout_s=ROOMY, sandbox=sandbox)
     assert (result.output, result.error) == ("supervisor\n", None)
 
 

