@@ -273,11 +273,9 @@ def stepwise(job: Job):
     return lambda: int(next(batches).get(keys.MASK).sum())
 
 
-def stepwise_graph(job: Job):
-    """``stepwise`` with the policy's decode step captured in a CUDA graph (``decode="graph"``; ``"static"``, the
-    same step uncaptured, on the CPU)."""
+def _stepwise_on(job: Job, decode: str):
+    """``stepwise`` with the policy's ``decode``; ``run.capture_seconds``: its captures' (compiles') seconds."""
     env = job.env()
-    decode = "graph" if job.device.type == "cuda" else "static"
     policy = job.policy(env, decode)
     batches = iter(TokenCollector(env, policy, mode="steps", batch_size=job.new_tokens))
 
@@ -289,6 +287,18 @@ def stepwise_graph(job: Job):
 
     run.capture_seconds = None
     return run
+
+
+def stepwise_graph(job: Job):
+    """``stepwise`` with the policy's decode step captured in a CUDA graph (``decode="graph"``; ``"static"``, the
+    same step uncaptured, on the CPU)."""
+    return _stepwise_on(job, "graph" if job.device.type == "cuda" else "static")
+
+
+def stepwise_compile(job: Job):
+    """``stepwise`` with the policy's decode step compiled (``decode="compile"``: ``torch.compile`` with
+    ``mode="reduce-overhead"``, CUDA graphs on CUDA, Inductor's kernels on the CPU)."""
+    return _stepwise_on(job, "compile")
 
 
 def waves(job: Job):
@@ -307,9 +317,17 @@ def waves_graph(job: Job):
     return lambda: int(next(batches).get(keys.MASK).sum())
 
 
+def waves_compile(job: Job):
+    """``waves`` on the policy's compiled decode step (``decode="compile"``)."""
+    env = job.env()
+    policy = job.policy(env, "compile")
+    batches = iter(TokenCollector(env, policy, source="wave", mode="trajectories", batch_size=job.B))
+    return lambda: int(next(batches).get(keys.MASK).sum())
+
+
 CONTESTANTS = {"graph loop": graph_loop, "hand loop": hand_loop, "stepwise": stepwise,
-               "stepwise graph": stepwise_graph, "generate": generate, "waves": waves,
-               "waves graph": waves_graph}  # fmt: skip
+               "stepwise graph": stepwise_graph, "stepwise compile": stepwise_compile, "generate": generate,
+               "waves": waves, "waves graph": waves_graph, "waves compile": waves_compile}  # fmt: skip
 
 
 # -- measurements --

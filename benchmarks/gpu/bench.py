@@ -39,7 +39,7 @@ SIZES = {  # B of the throughput runs (the first is the main one), new tokens, G
              "train_memory": ((8, 16, None, False, True), (8, 16, 64, True, False)), "fsdp2": (8, 16)},
 }  # fmt: skip
 QUICK = {"real": {"batch_sizes": (64,), "wave_sizes": (64,), "grpo": (8, 8, 64)}, "tiny": {}}
-SECTIONS = ("throughput", "syncs", "memory", "grpo", "train_memory", "fsdp2")
+SECTIONS = ("throughput", "syncs", "memory", "grpo", "train_memory", "fsdp2", "compile")
 T0 = time.perf_counter()
 
 
@@ -173,12 +173,10 @@ GOALS = {("stepwise graph", "graph loop"): ">= 0.8", ("waves graph", "graph loop
 GIB = 2**30
 
 
-def throughput(ctx: Context, B: int) -> None:
-    """Tokens/s of the contestants at batch size B, interleaved, and the ratios of the pairs."""
-    job, main_b = ctx.job(B), ctx.plan["batch_sizes"][0]
-    names = ["graph loop", "stepwise graph", "hand loop", "stepwise", "generate"]
-    names += ["waves", "waves graph"] if B in ctx.plan["wave_sizes"] else []
-    runs, errors = {}, {}
+def contest(ctx: Context, section: str, B: int, names: list[str], pairs, goals: dict):
+    """Run the contestants ``names`` at batch size B, interleaved, and add a row per pair of ``pairs`` (its goal from
+    ``goals``, on CUDA at B = 64 and 256); returns the contestants' runs and the seconds of every run."""
+    job, runs, errors = ctx.job(B), {}, {}
     for name in names:
         try:
             runs[name] = cs.CONTESTANTS[name](job)
@@ -187,24 +185,54 @@ def throughput(ctx: Context, B: int) -> None:
             errors[name] = cs.error_text(err)
     rates, run_errors, seconds = cs.interleaved(runs, ctx.rounds, ctx.sync, log)
     errors.update(run_errors)
-    if B == main_b and seconds:
+    ctx.raw[f"{section} B={B}"] = {"tokens_per_s": rates, "errors": errors, "run_seconds": seconds}
+    med = {n: statistics.median(v) for n, v in rates.items() if v}
+    for a, b in pairs:
+        if a not in names or b not in names:
+            continue
+        goal = goals.get((a, b), "") if ctx.is_cuda and B in (64, 256) else ""
+        if a in med and b in med:
+            ratio = statistics.median(x / y for x, y in zip(rates[a], rates[b], strict=False))
+            met = ratio >= float(goal.split()[-1]) if goal else None
+            ctx.add(section, f"{a} / {b} (tok/s)", B, med[a], med[b], ratio, goal, met)
+        else:
+            why = "; ".join(f"{n}: {errors[n]}" for n in (a, b) if n in errors) or "no timed round"
+            ctx.add(section, f"{a} / {b} (tok/s)", B, "error", goal=goal, note=why)
+    return runs, seconds
+
+
+def throughput(ctx: Context, B: int) -> None:
+    """Tokens/s of the contestants at batch size B, interleaved, and the ratios of the pairs."""
+    names = ["graph loop", "stepwise graph", "hand loop", "stepwise", "generate"]
+    names += ["waves", "waves graph"] if B in ctx.plan["wave_sizes"] else []
+    runs, seconds = contest(ctx, "throughput", B, names, PAIRS, GOALS)
+    if B == ctx.plan["batch_sizes"][0] and seconds:
         ctx.run_seconds = statistics.median(seconds)
     captured = getattr(runs.get("stepwise graph"), "capture_seconds", None)
     if captured is not None:
         ctx.add("throughput", "stepwise graph: capture seconds (warm-up steps included)", B, captured)
-    ctx.raw[f"throughput B={B}"] = {"tokens_per_s": rates, "errors": errors, "run_seconds": seconds}
-    med = {n: statistics.median(v) for n, v in rates.items() if v}
-    for a, b in PAIRS:
-        if a not in names or b not in names:
-            continue
-        goal = GOALS.get((a, b), "") if ctx.is_cuda and B in (64, 256) else ""
-        if a in med and b in med:
-            ratio = statistics.median(x / y for x, y in zip(rates[a], rates[b], strict=False))
-            met = ratio >= float(goal.split()[-1]) if goal else None
-            ctx.add("throughput", f"{a} / {b} (tok/s)", B, med[a], med[b], ratio, goal, met)
-        else:
-            why = "; ".join(f"{n}: {errors[n]}" for n in (a, b) if n in errors) or "no timed round"
-            ctx.add("throughput", f"{a} / {b} (tok/s)", B, "error", goal=goal, note=why)
+
+
+COMPILE_PAIRS = [("stepwise compile", "graph loop"), ("stepwise compile", "stepwise graph"),
+                 ("waves compile", "graph loop"), ("waves compile", "waves graph")]  # fmt: skip
+COMPILE_GOALS = {("stepwise compile", "graph loop"): ">= 0.8", ("waves compile", "graph loop"): ">= 0.8"}
+COMPILE_MIN_S = 120.0  # the compile section needs about this much of the budget left (a compile per contestant)
+
+
+def compile_step(ctx: Context, B: int) -> None:
+    """decode="compile" (torch.compile, mode="reduce-overhead") against the graph loop and decode="graph" (the step
+    captured by hand), interleaved at B, and the seconds of the compiled policy's first step (the compile)."""
+    left = None if ctx.deadline is None else ctx.deadline - time.perf_counter()
+    if left is not None and left < COMPILE_MIN_S:
+        log(f"compile skipped: {left:.0f} s left of the budget, needs ~{COMPILE_MIN_S:.0f}")
+        ctx.add("compile", "skipped (time budget)", B, f"{max(left, 0):.0f} s left; run --sections compile alone")
+        return
+    names = ["graph loop", "stepwise graph", "stepwise compile"]
+    names += ["waves graph", "waves compile"] if B in ctx.plan["wave_sizes"] else []
+    runs, _ = contest(ctx, "compile", B, names, COMPILE_PAIRS, COMPILE_GOALS)
+    first = getattr(runs.get("stepwise compile"), "capture_seconds", None)
+    if first is not None:
+        ctx.add("compile", "stepwise compile: seconds of its first step (the compile)", B, first)
 
 
 def syncs(ctx: Context, B: int) -> None:
@@ -384,6 +412,8 @@ def main(argv=None) -> int:
     for B in extra_b if "throughput" in wanted else ():
         if fits_budget(ctx, B):
             run_section(ctx, f"throughput B={B}", throughput, B)
+    if "compile" in wanted:  # last: its compiles take time the goals' sections come first for
+        run_section(ctx, "compile", compile_step, main_b)
     md = write(ctx)
     print(md)
     log(f"done in {time.perf_counter() - T0:.1f} s; wrote {Path(args.out) / 'gpu_bench.md'} and gpu_bench.json")

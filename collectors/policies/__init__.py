@@ -16,6 +16,7 @@ in ``tokengym.collectors``.
 from tokengym.collectors.policies._server_options import RequestRejected
 from tokengym.collectors.policies._vllm_dialect import VLLMEngineDialect, VLLMServerDialect
 from tokengym.collectors.policies._wave_core import WaveCore
+from tokengym.collectors.policies.compiled_decode import CompiledDecode
 from tokengym.collectors.policies.dialects import (
     EngineDialect,
     FleetDialect,
@@ -57,6 +58,7 @@ from tokengym.collectors.policies.vllm_server_policy import ServerOptions, VLLMS
 
 __all__ = [
     "AdaptersDisabled",
+    "CompiledDecode",
     "EngineDialect",
     "FleetDialect",
     "GraphDecode",

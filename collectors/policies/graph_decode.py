@@ -69,8 +69,9 @@ class GraphDecode:
         write its column (the replay writes the same values again) and draw nothing from the generator."""
         begin = time.perf_counter()
         device = self.cache.device
-        self._inputs = host.to(device)
-        self._uniforms = torch.full((host.shape[0], 1), 0.5, dtype=torch.float64, device=device)
+        with torch.inference_mode(False):  # ordinary tensors: written in place in and out of inference mode (waves)
+            self._inputs = host.to(device, copy=True)  # never the host tensor itself (on the CPU)
+            self._uniforms = torch.full((host.shape[0], 1), 0.5, dtype=torch.float64, device=device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.stream(stream):

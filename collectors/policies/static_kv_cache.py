@@ -134,6 +134,11 @@ class StaticSlotKVCache(SlotKVCache):
         """The whole key and value buffers (B, H, capacity, D) of every layer."""
         return [(layer.keys, layer.values) for layer in self._layers]
 
+    def step_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a decode step writes in place besides :attr:`buffers`: the whole attention mask (B, capacity) and the
+        column position (1,) every layer writes at (kept until the buffers are allocated anew)."""
+        return self._mask, self._column.index
+
     def _move(self, start: int, width: int | None = None) -> None:
         """Copy the window to begin at column ``start`` (growing the buffers when ``width`` columns from there do
         not fit); the columns it leaves are masked."""

@@ -1,9 +1,11 @@
-"""A whole wave decoded with the stepping path's fixed-shape step: the waves of ``TransformersPolicy(decode="static")``
-and ``decode="graph"``.
+"""A whole wave decoded with the stepping path's fixed-shape step: the waves of ``TransformersPolicy(decode="static")``,
+``decode="graph"`` and ``decode="compile"``.
 
 ``model.generate`` grows a dynamic cache by a column per token and launches every kernel from the host; a policy
 that decodes with a :class:`~tokengym.collectors.policies.static_kv_cache.StaticSlotKVCache` (and, on CUDA, a
-:class:`~tokengym.collectors.policies.graph_decode.GraphDecode` replaying it) runs its waves on that same step:
+:class:`~tokengym.collectors.policies.graph_decode.GraphDecode` replaying it, or a
+:class:`~tokengym.collectors.policies.compiled_decode.CompiledDecode` running it compiled) runs its waves on that same
+step:
 the wave's rows are prefilled into the cache's first rows (prompts shared within a group as when stepping), then
 each step feeds every row's last token, samples, and stops a row at an end id or its budget.
 
@@ -21,6 +23,7 @@ import threading
 
 import torch
 
+from tokengym.collectors.policies.compiled_decode import CompiledDecode
 from tokengym.collectors.policies.graph_decode import GraphDecode
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
 from tokengym.collectors.policies.static_kv_cache import StaticSlotKVCache
@@ -31,7 +34,7 @@ __all__ = ["step_wave"]
 
 @torch.inference_mode()
 def step_wave(cache: StaticSlotKVCache, request: WaveRequest, *, sampling: SamplingConfig, generator: torch.Generator,
-              with_raw: bool, interrupt: threading.Event, graph: GraphDecode | None = None,
+              with_raw: bool, interrupt: threading.Event, graph: GraphDecode | CompiledDecode | None = None,
               pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Decode ``request`` on ``cache`` (its rows ``0..n-1``, ``n = len(request)`` at most the cache's rows):
     ``(actions, log_probs, raw_log_probs)``, each (n, T) on the host (``raw`` ``None`` without ``with_raw``).

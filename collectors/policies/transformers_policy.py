@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from tokengym.collectors.policies._lora_sync import AdapterSpec, check_not_adapter, tensor_bytes
+from tokengym.collectors.policies.compiled_decode import CompiledDecode
 from tokengym.collectors.policies.graph_decode import GraphDecode
 from tokengym.collectors.policies.kv_cache import SlotKVCache
 from tokengym.collectors.policies.lora import is_lora_model, merged_weights
@@ -73,7 +74,9 @@ class TransformersPolicy(TensorDictModuleBase):
             column per step), ``"static"`` (buffers allocated once for the env's ``max_length`` and a quarter more,
             every step the same shapes: :class:`StaticSlotKVCache`; the same tokens and log-probs) or ``"graph"``
             (the static step and its sampling captured in one CUDA graph and replayed: :class:`GraphDecode`; CUDA
-            only, not with a LoRA model).
+            only, not with a LoRA model) or ``"compile"`` (the static step and its sampling compiled whole with
+            ``torch.compile(mode="reduce-overhead")``: :class:`CompiledDecode`; CUDA graphs on CUDA, Inductor's
+            kernels on the CPU; the first step of a policy compiles; not with a LoRA model).
 
     Example:
         >>> from tokengym.llm_envs import TokenEnv
@@ -126,7 +129,8 @@ class TransformersPolicy(TensorDictModuleBase):
         self.adapter = AdapterSpec.of(model) if is_lora_model(model) else None
         self.decode = _check_decode(decode, model, self.adapter)
         self.graph = None
-        """The :class:`GraphDecode` of ``decode="graph"`` (its ``captures`` and ``capture_seconds``), else ``None``."""
+        """The :class:`GraphDecode` of ``decode="graph"`` or the :class:`CompiledDecode` of ``decode="compile"`` (their
+        ``captures`` and ``capture_seconds``), else ``None``."""
         self.weight_sync = "full" if self.adapter is None else "adapter"
         """What an update sends: ``"adapter"`` (a LoRA model: the adapter's tensors) or ``"full"`` (every weight)."""
         self.last_update_bytes = 0
@@ -191,8 +195,9 @@ class TransformersPolicy(TensorDictModuleBase):
             return
         capacity = static_capacity(self.env.tokens.shape[-1])
         self.cache = StaticSlotKVCache(self.model, B, capacity=capacity, **self._sharing)
-        if self.decode == "graph":
-            self.graph = GraphDecode(self.cache, self.sampling, self.generator, with_raw=self.return_raw_log_prob)
+        if self.decode in _STEPS:  # the decode step and its sampling captured (CUDA graph) or compiled
+            self.graph = _STEPS[self.decode](self.cache, self.sampling, self.generator,
+                                             with_raw=self.return_raw_log_prob)  # fmt: skip
 
     def _check_placement(self) -> None:
         weight = getattr(self._embedding, "weight", None)
@@ -241,9 +246,9 @@ class TransformersPolicy(TensorDictModuleBase):
     @torch.no_grad()
     def generate(self, request: WaveRequest) -> WaveResult:
         """One ``model.generate`` call continuing every sequence of ``request`` (left-padded); with
-        ``decode="static"`` or ``"graph"`` the wave runs on the stepping path's fixed-shape step instead
-        (``static_waves.step_wave``: the same tokens for the same generator state
-        uncaptured, one replayed graph per token on CUDA). A vision-language model's waves run on that step over its
+        ``decode="static"``, ``"graph"`` or ``"compile"`` the wave runs on the stepping path's fixed-shape step
+        instead (``static_waves.step_wave``: the same tokens for the same generator state uncaptured, one replayed
+        graph per token on CUDA). A vision-language model's waves run on that step over its
         dynamic cache, each row prefilled with its slot's images.
 
         Sampling goes through the same :func:`sample_tokens` and generator as stepping, so a wave is
@@ -481,7 +486,8 @@ def _weight_dtype(model, embedding) -> torch.dtype | None:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
-_DECODES = ("dynamic", "static", "graph")
+_DECODES = ("dynamic", "static", "graph", "compile")
+_STEPS = {"graph": GraphDecode, "compile": CompiledDecode}  # the decodes whose step is captured or compiled
 
 
 def _check_decode(decode, model, adapter) -> str:
@@ -493,10 +499,10 @@ def _check_decode(decode, model, adapter) -> str:
             raise ValueError(f"decode='graph' captures the decode step in a CUDA graph; the model is on {device}: "
                              "use decode='static' (the same fixed-shape step, uncaptured) or move the model to CUDA "
                              "before building the policy")  # fmt: skip
-        if adapter is not None:
-            raise ValueError("decode='graph' does not take a LoRA model (an adapter swap would leave the graph on "
-                             "the old adapter's tensors): use decode='static', or merge the adapter "
-                             "(model.merge_and_unload()) for generation")  # fmt: skip
+    if decode in _STEPS and adapter is not None:
+        raise ValueError(f"decode={decode!r} does not take a LoRA model (an adapter swap would leave the "
+                         f"{'graph' if decode == 'graph' else 'compiled step'} on the old adapter's tensors): use "
+                         "decode='static', or merge the adapter (model.merge_and_unload()) for generation")  # fmt: skip
     return decode
 
 

@@ -143,6 +143,9 @@ def test_updates_that_do_not_fit_name_the_fix(tokenizer):
     with pytest.raises(ValueError, match="plain LoRA.*DoRA"):
         TransformersPolicy(peft.get_peft_model(tiny_model(tokenizer), peft.LoraConfig(target_modules=["q_proj"],
                                                                                      use_dora=True)), env)  # fmt: skip
+    with pytest.raises(ValueError, match=r"decode='compile' does not take a LoRA model .*the compiled step on the old "
+                                         r"adapter's tensors.*decode='static'.*merge_and_unload"):  # fmt: skip
+        TransformersPolicy(lora(tokenizer), env, decode="compile")
     assert policy.version == 0
 
 

@@ -1,7 +1,8 @@
 """TransformersPolicy(decode="static"): the fixed-shape decode step (StaticSlotKVCache, what decode="graph" captures
 on CUDA) gives the tokens and log-probs of the dynamic cache for the same generator state, on every kind of episode:
 groups sharing a prompt, refills, multi-turn feedback, trees forked mid-sequence, self-play's waiting seats, a resume
-from a checkpoint (weight updates: test/gpu/test_graph_decode.py). Small env buffers make the static window slide back to the front often."""
+from a checkpoint (weight updates: test/gpu/test_graph_decode.py); and decode="compile" (the same step compiled)
+gives the static step's. Small env buffers make the static window slide back to the front often."""
 
 import copy
 
@@ -62,6 +63,18 @@ def test_the_static_step_samples_what_the_dynamic_one_does(tokenizer, model, env
     assert isinstance(policy.cache, StaticSlotKVCache) and policy.graph is None
 
 
+@pytest.mark.parametrize("env_kind", ["multi_turn", "self_play"])
+def test_the_compiled_step_samples_what_the_static_one_does(tokenizer, model, env_kind):
+    """decode="compile" (torch.compile; Inductor's kernels on the CPU) over multi-turn feedback and self-play's waiting
+    seats, whose windows slide back to the front of the buffers (groups, trees, weight updates:
+    test/gpu/test_graph_decode.py)."""
+    static, _ = _collect(tokenizer, model, env_kind, "static")
+    compiled, policy = _collect(tokenizer, model, env_kind, "compile")
+    _assert_same(static, compiled)
+    # compiled once per buffer layout a step ran on (self-play's seats may grow the buffers before the first step)
+    assert policy.cache.moves > 0 and 1 <= policy.graph.captures <= policy.cache.layout
+
+
 def test_trees_forked_mid_sequence_with_filtered_sampling(tokenizer, model):
     sampling = SamplingConfig(temperature=0.8, top_k=50, top_p=0.9)
     dynamic, _ = _collect(tokenizer, model, "groups", "dynamic", tree=SegmentRule(3, 2), sampling=sampling)
@@ -81,10 +94,11 @@ def test_the_window_slides_back_to_the_front_and_the_buffers_stay(tokenizer, mod
     assert [k.data_ptr() for k, _ in cache.buffers] == buffers and cache.layout == 1  # never reallocated
 
 
-def test_a_resume_from_a_checkpoint_is_exact(tokenizer, model):
+@pytest.mark.parametrize("decode", ["static", "compile"])
+def test_a_resume_from_a_checkpoint_is_exact(tokenizer, model, decode):
     def collector():
         env = ENVS["multi_turn"](tokenizer, model.config)
-        return TokenCollector(env, TransformersPolicy(model, env, seed=3, decode="static"), mode="trajectories",
+        return TokenCollector(env, TransformersPolicy(model, env, seed=3, decode=decode), mode="trajectories",
                               batch_size=3)  # fmt: skip
 
     first = collector()
@@ -103,7 +117,7 @@ def test_a_resume_from_a_checkpoint_is_exact(tokenizer, model):
 
 def test_bad_decode_settings_are_refused_by_name(tokenizer, model):
     env = ENVS["groups"](tokenizer, model.config)
-    with pytest.raises(ValueError, match=r"decode must be one of \('dynamic', 'static', 'graph'\), got 'cuda'"):
+    with pytest.raises(ValueError, match=r"decode must be one of \('dynamic', 'static', 'graph', 'compile'\), got 'cuda'"):
         TransformersPolicy(model, env, decode="cuda")
     with pytest.raises(ValueError, match=r"decode='graph' captures the decode step in a CUDA graph; the model is on "
                                          r"cpu: use decode='static'"):  # fmt: skip
