@@ -180,17 +180,19 @@ def test_a_device_map_model_takes_inputs_on_its_embedding_device(tokenizer, devi
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("decode", ["dynamic", "graph"])
+@pytest.mark.parametrize("decode", ["dynamic", "graph", "compile"])
 def test_one_host_synchronization_per_env_step(tokenizer, device, decode):
     """CUDA only (what only CUDA shows): the policy's step and the env's step synchronize once, refills apart, with
-    the dynamic cache and with the captured step (decode="graph")."""
+    the dynamic cache, the captured step (decode="graph") and the compiled one (decode="compile", counted once its
+    cudagraph trees replay: their first call runs the compiled step, the second records it)."""
     model = _model(tokenizer, device, torch.bfloat16)
     env = _env(tokenizer, model, max_new_tokens=48, batch_size=8, eos_token_ids=[])
     policy = TransformersPolicy(model, env, sampling=SamplingConfig(banned_token_ids=(tokenizer.eos_token_id,)),
                                 decode=decode)  # fmt: skip
     td = env.reset()
-    td = policy(td)  # the first step prefills every slot (and captures the graph)
-    _, td = env.step_and_maybe_reset(td)
+    for _ in range(3 if decode == "compile" else 1):  # the first step prefills every slot (and captures the graph)
+        td = policy(td)
+        _, td = env.step_and_maybe_reset(td)
     counts, sites = [], []
     for _ in range(16):
         with warnings.catch_warnings(record=True) as caught:
