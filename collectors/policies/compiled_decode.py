@@ -74,8 +74,9 @@ class CompiledDecode:
             if not first:
                 raise
             self._step = None  # compile again at the next step, and say why this one could not be compiled
-            raise RuntimeError(f"the decode step of {type(self.cache.model).__name__} could not be compiled "
-                               f"({type(err).__name__}: {err}); decode uncompiled: TransformersPolicy(decode='static') "
+            why = (str(err).strip().splitlines() or [""])[0][:300]  # Dynamo's own text goes on for pages
+            raise RuntimeError(f"the decode step of {type(self.cache.model).__name__} could not be compiled whole "
+                               f"({type(err).__name__}: {why}); decode uncompiled: TransformersPolicy(decode='static') "
                                "or decode='dynamic'") from err  # fmt: skip
         if first:
             if self.cache.device.type == "cuda":

@@ -75,6 +75,27 @@ def test_the_compiled_step_samples_what_the_static_one_does(tokenizer, model, en
     assert policy.cache.moves > 0 and 1 <= policy.graph.captures <= policy.cache.layout
 
 
+def test_a_step_that_cannot_be_compiled_whole_names_the_fix(tokenizer, model):
+    """A model whose forward reads a value back to the host breaks TorchDynamo's graph: decode="compile" refuses it
+    at the first step with one line of Dynamo's reason and the decodes that work, instead of a slower partial graph."""
+
+    class HostRead(type(model)):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            if out.logits.sum().item() > 1e30:  # a host read: a graph break
+                out.logits.zero_()
+            return out
+
+    breaks = HostRead(model.config).eval()
+    breaks.load_state_dict(model.state_dict())
+    env = ENVS["groups"](tokenizer, breaks.config)
+    policy = TransformersPolicy(breaks, env, decode="compile")
+    with pytest.raises(RuntimeError, match=r"the decode step of HostRead could not be compiled whole \(\w+: [^\n]+\); "
+                                           r"decode uncompiled: TransformersPolicy\(decode='static'\) or "
+                                           r"decode='dynamic'$"):  # fmt: skip
+        policy(env.reset())
+
+
 def test_trees_forked_mid_sequence_with_filtered_sampling(tokenizer, model):
     sampling = SamplingConfig(temperature=0.8, top_k=50, top_p=0.9)
     dynamic, _ = _collect(tokenizer, model, "groups", "dynamic", tree=SegmentRule(3, 2), sampling=sampling)
