@@ -113,14 +113,14 @@ def at_checkpoint(fleet):
         fleet.restore()
 
 
-def publishing(k: int, collector, new, published: dict, then=None, released=None) -> PublishAfter:
+def publishing(k: int, collector, new, published: dict, then=None, held=None) -> PublishAfter:
     """An interrupt event that publishes ``new``'s weights to ``collector`` at its ``k``-th check (``then``: called at
-    the checks after, with their count; ``released``: :class:`HeldRequests` dropped unsent once the update is queued)."""
+    the checks after, with their count; ``held``: :class:`HeldRequests` dropped unsent once the update is queued)."""
 
     def publish():
         published[collector().update_policy_weights_(new.state_dict())] = new
-        if released is not None:
-            released.release(send=False)
+        if held is not None:
+            held.drop()
 
     class Event(PublishAfter):
         def is_set(self) -> bool:
@@ -167,11 +167,11 @@ class Behind(threading.Event):
 
 class HeldRequests:
     """A request hook of a policy's fleet client (``fleet.client.event_hooks``): the generation requests that
-    ``which(url, body)`` picks wait, unsent, until :meth:`release` (from any thread); later ones go out at once.
+    ``which(url, body)`` picks wait, unsent, until :meth:`drop` (from any thread); later ones go out at once.
 
-    Released with ``send=False`` (once their wave stopped), they are never sent: each fails as a connection its
-    server closed before it read the request (``httpx.RemoteProtocolError``), and its row stays open with no token.
-    (Released and sent after the wave stopped, a loaded machine's client stalled up to 3 s before it read their first
+    Dropped (once their wave stopped), they are never sent: each fails as a connection its server closed before it
+    read the request (``httpx.RemoteProtocolError``), and its row stays open with no token.
+    (Sent after the wave stopped instead, a loaded machine's client stalled up to 3 s before it read their first
     chunk and aborted them, while the server ran them to their 1,000-token budget: whether such a row stayed open was
     a race with the server.)"""
 
@@ -193,17 +193,17 @@ class HeldRequests:
             self.waiters.append((waiter, request))
         await waiter
 
-    def release(self, *, send: bool = True) -> None:
+    def drop(self) -> None:
         with self.lock:
             self.released, waiters, self.waiters = True, self.waiters, []
         for waiter, request in waiters:
-            error = None if send else httpx.RemoteProtocolError("held by the test until its wave stopped", request=request)
-            waiter.get_loop().call_soon_threadsafe(_settle, waiter, error)
+            error = httpx.RemoteProtocolError("held by the test until its wave stopped", request=request)
+            waiter.get_loop().call_soon_threadsafe(_fail, waiter, error)
 
 
-def _settle(waiter: asyncio.Future, error: BaseException | None) -> None:
+def _fail(waiter: asyncio.Future, error: BaseException) -> None:
     if not waiter.done():
-        waiter.set_result(None) if error is None else waiter.set_exception(error)
+        waiter.set_exception(error)
 
 
 class CountingEnds(VLLMServerDialect):
@@ -489,7 +489,7 @@ def test_a_checkpoint_with_unfinished_rows_resumes_exactly(fleet, make_vllm_mode
             def publish():
                 since[0] = policy.dialect.ended
                 published[collector.update_policy_weights_(new.state_dict())] = new
-                held.release(send=False)
+                held.drop()
 
             policy.interrupt = PublishWhen(lambda: policy.dialect.ended >= since[0] + 2, publish)
         return collector
@@ -563,7 +563,7 @@ def test_a_server_killed_during_a_resumed_wave_loses_nothing(fleet, make_vllm_mo
 
     second = httpx.URL(fleet.servers[1].url).port
     held = HeldRequests(policy, lambda url, body: url.port == second)
-    policy.interrupt = publishing(k, lambda: collector, new, published, then=kill, released=held)
+    policy.interrupt = publishing(k, lambda: collector, new, published, then=kill, held=held)
     collector = TokenCollector(env, policy, mode="trajectories", batch_size=8, source="wave")
     try:
         batch = next(iter(collector))
