@@ -72,7 +72,7 @@ class TransformersPolicy(TensorDictModuleBase):
             (slots refilled at different times); 0 keeps none.
         decode: how a step decodes: ``"dynamic"`` (the default: a cache as wide as the longest live slot, grown by a
             column per step), ``"static"`` (buffers allocated once for the env's ``max_length`` and a quarter more,
-            every step the same shapes: :class:`StaticSlotKVCache`; the same tokens and log-probs) or ``"graph"``
+            every step the same shapes: :class:`StaticSlotKVCache`; the same tokens and log-probs), ``"graph"``
             (the static step and its sampling captured in one CUDA graph and replayed: :class:`GraphDecode`; CUDA
             only, not with a LoRA model) or ``"compile"`` (the static step and its sampling compiled whole with
             ``torch.compile(mode="reduce-overhead")``: :class:`CompiledDecode`; CUDA graphs on CUDA, Inductor's
