@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import time
 import types
+import warnings
 
 import torch
+from torch._dynamo.utils import counters
 
 from tokengym.collectors.policies.sampling import SamplingConfig, sample_tokens
 from tokengym.collectors.policies.static_kv_cache import StaticSlotKVCache
+from tokengym.llm_envs.errors import TokenGymWarning
 
 __all__ = ["CompiledDecode"]
 
@@ -62,7 +65,7 @@ class CompiledDecode:
         first = self._step is None or self._layout != self.cache.layout
         if first:
             self._compile(host)
-            begin = time.perf_counter()
+            begin, skips = time.perf_counter(), counters["inductor"]["cudagraph_skips"]
         self._inputs.copy_(host, non_blocking=True)  # one host-to-device copy
         self._uniforms.uniform_(0, 1, generator=self.generator)
         torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were copied out: its graph may be reused
@@ -81,6 +84,12 @@ class CompiledDecode:
         if first:
             if self.cache.device.type == "cuda":
                 torch.cuda.synchronize(self.cache.device)
+                if counters["inductor"]["cudagraph_skips"] > skips:  # Inductor ran the step without a graph
+                    warnings.warn(f"decode='compile' runs the decode step of {type(self.cache.model).__name__} "
+                                  "compiled but without CUDA graphs (Inductor skipped them; TORCH_LOGS=cudagraphs "
+                                  "prints why): each step launches its kernels from the host; decode='graph' captures "
+                                  "the step by hand",
+                                  TokenGymWarning, stacklevel=2)  # fmt: skip
             self.captures += 1
             self.capture_seconds += time.perf_counter() - begin
         self.cache.advance(live)
